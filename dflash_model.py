@@ -1,0 +1,603 @@
+"""The DFlash drafter: model, training objective, speculative decoding and checkpoint format.
+
+A drafter proposes `block_size` tokens in one forward pass. Its input is a block whose slot 0 holds
+the real token at an anchor position and whose other slots hold a mask token; its context is the
+target model's hidden states (several layers, concatenated) for every token before the anchor.
+Every draft layer attends from the block to `concat(context, block)`: keys and values of the
+context are injected into every layer. The target's embedding and LM head are used frozen and
+never stored in the drafter's checkpoint.
+
+Read top to bottom: config -> layers -> model -> training objective -> inference -> checkpoint.
+"""
+
+import inspect
+import json
+import math
+import os
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import Qwen3Config
+from transformers.models.qwen3.modeling_qwen3 import Qwen3RotaryEmbedding
+
+# -----------------------------------------------------------------------------
+# Config
+
+# Loss decay per block slot: exp(-(k - 1) / gamma); the published values per block size.
+LOSS_DECAY_GAMMA = {16: 7.0, 10: 5.0, 8: 4.0}
+
+
+def default_loss_gamma(block_size):
+    # Other block sizes: keep the published ratio gamma / block_size (7/16).
+    return LOSS_DECAY_GAMMA.get(block_size, max(1.0, block_size * 7.0 / 16.0))
+
+
+def default_target_layer_ids(num_target_layers, num_draft_layers):
+    """Target layers whose outputs feed the drafter, spread evenly (brief section 1)."""
+    if num_draft_layers == 1:
+        return [num_target_layers // 2]
+    span = num_target_layers - 4
+    return [int(round(1 + i * span / (num_draft_layers - 1))) for i in range(num_draft_layers)]
+
+
+def text_config(config):
+    return config.get_text_config() if hasattr(config, "get_text_config") else config
+
+
+def rope_fields(config):
+    """(rope_theta, rope_scaling or None) of a config from transformers 4.x or 5.x."""
+    params = getattr(config, "rope_parameters", None)
+    if params:
+        params = dict(params)
+        theta = params.pop("rope_theta", getattr(config, "rope_theta", 10000.0))
+        scaling = params if params.get("rope_type", "default") != "default" else None
+        return float(theta), scaling
+    return float(getattr(config, "rope_theta", 10000.0)), getattr(config, "rope_scaling", None)
+
+
+def make_drafter_config(target_config, mask_token_id, num_draft_layers=5, block_size=16,
+                        target_layer_ids=None):
+    """A Qwen3-style drafter config with the target's shapes plus the DFlash fields."""
+    tc = text_config(target_config)
+    num_target_layers = tc.num_hidden_layers
+    if target_layer_ids is None:
+        target_layer_ids = default_target_layer_ids(num_target_layers, num_draft_layers)
+    target_layer_ids = [int(i) for i in target_layer_ids]
+    if not all(0 <= i < num_target_layers for i in target_layer_ids):
+        raise ValueError(f"target_layer_ids {target_layer_ids} must lie in [0, {num_target_layers})")
+    if block_size < 2:
+        raise ValueError(f"block_size must be at least 2, got {block_size}")
+    if not 0 <= mask_token_id < tc.vocab_size:
+        raise ValueError(f"mask_token_id {mask_token_id} is outside the vocabulary ({tc.vocab_size})")
+    heads = tc.num_attention_heads
+    rope_theta, rope_scaling = rope_fields(tc)
+    rope = {"rope_theta": rope_theta}
+    if rope_scaling:
+        rope["rope_scaling"] = dict(rope_scaling)
+    config = Qwen3Config(
+        vocab_size=tc.vocab_size,
+        hidden_size=tc.hidden_size,
+        intermediate_size=tc.intermediate_size,
+        num_hidden_layers=num_draft_layers,
+        num_attention_heads=heads,
+        num_key_value_heads=getattr(tc, "num_key_value_heads", None) or heads,
+        head_dim=getattr(tc, "head_dim", None) or tc.hidden_size // heads,
+        hidden_act="silu",
+        max_position_embeddings=getattr(tc, "max_position_embeddings", 32768),
+        rms_norm_eps=getattr(tc, "rms_norm_eps", 1e-6),
+        attention_bias=False,
+        tie_word_embeddings=False,
+        layer_types=["full_attention"] * num_draft_layers,
+        **rope,
+    )
+    config.architectures = ["DFlashDraftModel"]
+    config.block_size = block_size
+    config.num_target_layers = num_target_layers
+    config.dflash_config = {"mask_token_id": int(mask_token_id), "target_layer_ids": target_layer_ids}
+    return config
+
+
+# -----------------------------------------------------------------------------
+# Layers (Qwen3-style: RMSNorm, q/k-norm, RoPE, SwiGLU)
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim, eps):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x):
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+def rotate_half(x):
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rope(x, cos, sin):
+    # x: [B, heads, S, head_dim]; cos/sin: [B, S, head_dim]
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    return x * cos + rotate_half(x) * sin
+
+
+class MLP(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DraftAttention(nn.Module):
+    """Queries from the block; keys/values = concat(context, block) through the same k/v_proj."""
+
+    def __init__(self, config):
+        super().__init__()
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = config.head_dim
+        h, qd, kvd = config.hidden_size, self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        self.q_proj = nn.Linear(h, qd, bias=False)
+        self.k_proj = nn.Linear(h, kvd, bias=False)
+        self.v_proj = nn.Linear(h, kvd, bias=False)
+        self.o_proj = nn.Linear(qd, h, bias=False)
+        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+
+    def _kv(self, x, cos, sin):
+        B, S, _ = x.shape
+        k = self.k_norm(self.k_proj(x).view(B, S, self.num_kv_heads, self.head_dim)).transpose(1, 2)
+        v = self.v_proj(x).view(B, S, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        return apply_rope(k, cos, sin), v
+
+    def context_kv(self, context, cos, sin):
+        """Keys/values of the context (the drafter's KV cache holds exactly these)."""
+        return self._kv(context, cos, sin)
+
+    def forward(self, x, cos, sin, ctx_k, ctx_v, attend):
+        B, Q, _ = x.shape
+        q = self.q_norm(self.q_proj(x).view(B, Q, self.num_heads, self.head_dim)).transpose(1, 2)
+        q = apply_rope(q, cos, sin)
+        blk_k, blk_v = self._kv(x, cos, sin)
+        k = torch.cat([ctx_k, blk_k], dim=2)
+        v = torch.cat([ctx_v, blk_v], dim=2)
+        out = attend(q, k, v)  # [B, heads, Q, head_dim]
+        return self.o_proj(out.transpose(1, 2).reshape(B, Q, -1))
+
+
+class DraftLayer(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        self.self_attn = DraftAttention(config)
+        self.mlp = MLP(config)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, x, cos, sin, ctx_k, ctx_v, attend):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, ctx_k, ctx_v, attend)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+# -----------------------------------------------------------------------------
+# Attention rule: block at anchor a sees context positions kv < a of its own document, and
+# every slot of its own block. One predicate; a dense form (CPU, tests) and a flex_attention
+# block mask (GPU) are both built from it.
+
+def block_visible(q_idx, kv_idx, anchors, doc_ids, seq_len, block_size):
+    """Whether block query q_idx may attend to key kv_idx (keys: seq_len context, then blocks).
+
+    anchors [A] and doc_ids [seq_len] are one row's; q_idx/kv_idx are broadcastable index tensors.
+    """
+    blk = q_idx // block_size
+    anchor = anchors[blk]
+    in_ctx = kv_idx < seq_len
+    ctx_ok = (kv_idx < anchor) & (doc_ids[kv_idx.clamp(max=seq_len - 1)] == doc_ids[anchor])
+    blk_ok = (kv_idx - seq_len) // block_size == blk
+    return torch.where(in_ctx, ctx_ok, blk_ok)
+
+
+def dense_block_mask(anchors, doc_ids, block_size):
+    """[B, 1, A*bs, L + A*bs] boolean mask (True = may attend)."""
+    B, A = anchors.shape
+    L = doc_ids.shape[1]
+    dev = anchors.device
+    q = torch.arange(A * block_size, device=dev)[:, None]
+    kv = torch.arange(L + A * block_size, device=dev)[None, :]
+    rows = [block_visible(q, kv, anchors[b], doc_ids[b], L, block_size) for b in range(B)]
+    return torch.stack(rows)[:, None]
+
+
+def sdpa_attend(mask):
+    def attend(q, k, v):
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+    return attend
+
+
+_compiled_flex = None
+
+
+def flex_attend(anchors, doc_ids, block_size):
+    """flex_attention over a block-sparse mask built from the same predicate (GPU path)."""
+    global _compiled_flex
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+    if _compiled_flex is None:
+        _compiled_flex = torch.compile(flex_attention, dynamic=False)
+    B, A = anchors.shape
+    L = doc_ids.shape[1]
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        return block_visible(q_idx, kv_idx, anchors[b], doc_ids[b], L, block_size)
+
+    block_mask = create_block_mask(mask_mod, B, None, A * block_size, L + A * block_size,
+                                   device=anchors.device)
+
+    def attend(q, k, v):
+        return _compiled_flex(q, k, v, block_mask=block_mask, enable_gqa=True)
+    return attend
+
+
+def full_attend(q, k, v):
+    # Inference: the block sees its whole context (all of it lies before the anchor) and itself.
+    return F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+
+
+# -----------------------------------------------------------------------------
+# LM head + cross-entropy in chunks, recomputed in backward: peak memory holds one chunk of
+# logits, never num_positions x vocab.
+
+def _upcast(x):
+    return x.to(torch.promote_types(x.dtype, torch.float32))
+
+
+class ChunkedLMHeadCE(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden, weight, labels, chunk_size):
+        ces, correct = [], []
+        for s in range(0, hidden.shape[0], chunk_size):
+            logits = _upcast(hidden[s:s + chunk_size].to(weight.dtype) @ weight.t())
+            lab = labels[s:s + chunk_size]
+            ces.append(torch.logsumexp(logits, -1) - logits.gather(1, lab[:, None]).squeeze(1))
+            correct.append(logits.argmax(-1) == lab)
+        ctx.save_for_backward(hidden, weight, labels)
+        ctx.chunk_size = chunk_size
+        correct = torch.cat(correct)
+        ctx.mark_non_differentiable(correct)
+        return torch.cat(ces), correct
+
+    @staticmethod
+    def backward(ctx, grad_ce, grad_correct):
+        hidden, weight, labels = ctx.saved_tensors
+        chunk = ctx.chunk_size
+        grads = []
+        for s in range(0, hidden.shape[0], chunk):
+            logits = _upcast(hidden[s:s + chunk].to(weight.dtype) @ weight.t())
+            dlogits = torch.softmax(logits, -1)
+            dlogits = dlogits - F.one_hot(labels[s:s + chunk], logits.shape[-1]).to(dlogits.dtype)
+            dlogits = dlogits * grad_ce[s:s + chunk, None]
+            grads.append((dlogits.to(weight.dtype) @ weight).to(hidden.dtype))
+        return torch.cat(grads), None, None, None
+
+
+# -----------------------------------------------------------------------------
+# The drafter
+
+class DFlashDraftModel(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        self.config = config
+        self.block_size = config.block_size
+        self.mask_token_id = config.dflash_config["mask_token_id"]
+        self.target_layer_ids = list(config.dflash_config["target_layer_ids"])
+        h = config.hidden_size
+        self.layers = nn.ModuleList(DraftLayer(config) for _ in range(config.num_hidden_layers))
+        self.norm = RMSNorm(h, config.rms_norm_eps)
+        self.fc = nn.Linear(len(self.target_layer_ids) * h, h, bias=False)
+        self.hidden_norm = RMSNorm(h, config.rms_norm_eps)
+        self.rotary_emb = Qwen3RotaryEmbedding(config)  # non-persistent buffers only
+        # The target's frozen embedding and LM head: buffers, so they follow .to() but stay out
+        # of state_dict and the checkpoint. Set by attach_target().
+        self.register_buffer("embed_weight", None, persistent=False)
+        self.register_buffer("lm_head_weight", None, persistent=False)
+        self.apply(self._init_weights)
+
+    @staticmethod
+    def _init_weights(m):
+        if isinstance(m, nn.Linear):
+            nn.init.normal_(m.weight, std=0.02)
+
+    def attach_target(self, target, dtype=None):
+        """Use the target's embedding and LM head, frozen (copied to this drafter's device)."""
+        emb = target.get_input_embeddings().weight.detach()
+        head = target.get_output_embeddings().weight.detach()
+        dev = next(self.parameters()).device
+        self.embed_weight = emb.to(dev, dtype or emb.dtype)
+        self.lm_head_weight = head.to(dev, dtype or head.dtype)
+        return self
+
+    def num_parameters(self):
+        return sum(p.numel() for p in self.parameters())
+
+    # --- shared by training and inference --------------------------------------------------
+
+    def context_kv(self, target_hidden, positions):
+        """Per-layer keys/values of the context: hidden_norm(fc(features)) through each k/v_proj."""
+        ctx = self.hidden_norm(self.fc(target_hidden))
+        cos, sin = self.rotary_emb(ctx, positions)
+        return [layer.self_attn.context_kv(ctx, cos, sin) for layer in self.layers]
+
+    def draft_hidden(self, block_ids, block_positions, ctx_kv, attend):
+        """Final-norm hidden states of the block slots; logits are these @ lm_head_weight.T."""
+        x = F.embedding(block_ids, self.embed_weight).to(self.fc.weight.dtype)
+        cos, sin = self.rotary_emb(x, block_positions)
+        for layer, (k, v) in zip(self.layers, ctx_kv):
+            x = layer(x, cos, sin, k, v, attend)
+        return self.norm(x)
+
+    # --- training ---------------------------------------------------------------------------
+
+    def select_anchors(self, anchor_noise, loss_mask, doc_ids, num_anchors):
+        """A fixed number of anchors per row among positions a with loss_mask[a] and
+        loss_mask[a+1] in one document; extra draws when too few are valid get valid=False.
+        Fixed shapes and no host sync: top-k of masked random scores, then sorted."""
+        ok = loss_mask.bool()
+        valid = torch.zeros_like(ok)
+        valid[:, :-1] = ok[:, :-1] & ok[:, 1:] & (doc_ids[:, :-1] == doc_ids[:, 1:])
+        scores = torch.where(valid, anchor_noise, torch.full_like(anchor_noise, -1.0))
+        anchors = torch.sort(scores.topk(num_anchors, dim=1).indices, dim=1).values
+        return anchors, valid.gather(1, anchors)
+
+    def block_hidden(self, target_hidden, input_ids, doc_ids, position_ids, anchors, attention="sdpa"):
+        """Hidden states [B, A*bs, H] of the blocks at `anchors` [B, A] (training forward)."""
+        bs = self.block_size
+        B, A = anchors.shape
+        slot = torch.arange(bs, device=anchors.device)
+        block_ids = torch.full((B, A, bs), self.mask_token_id, dtype=input_ids.dtype, device=input_ids.device)
+        block_ids[:, :, 0] = input_ids.gather(1, anchors)
+        block_pos = position_ids.gather(1, anchors)[:, :, None] + slot
+        if attention == "flex":
+            attend = flex_attend(anchors, doc_ids, bs)
+        else:
+            attend = sdpa_attend(dense_block_mask(anchors, doc_ids, bs))
+        ctx_kv = self.context_kv(target_hidden, position_ids)
+        return self.draft_hidden(block_ids.view(B, A * bs), block_pos.view(B, A * bs), ctx_kv, attend)
+
+    def forward(self, target_hidden, input_ids, loss_mask, doc_ids, position_ids, anchor_noise,
+                num_anchors, gamma=None, ce_chunk_size=8192, attention="sdpa"):
+        """Training loss for one fixed-shape batch, plus a stats vector (see stats_to_metrics).
+
+        target_hidden [B, L, n*H]; input_ids, loss_mask, doc_ids, position_ids, anchor_noise [B, L].
+        """
+        bs = self.block_size
+        gamma = gamma or default_loss_gamma(bs)
+        B, L = input_ids.shape
+        anchors, anchor_valid = self.select_anchors(anchor_noise, loss_mask, doc_ids, num_anchors)
+        hidden = self.block_hidden(target_hidden, input_ids, doc_ids, position_ids, anchors, attention)
+
+        # Slot k of the block at a predicts token a + k (k >= 1), inside the row and the document.
+        slot = torch.arange(bs, device=anchors.device)
+        idx = anchors[:, :, None] + slot
+        in_row = idx < L
+        idx = idx.clamp(max=L - 1)
+        flat = lambda t: t.gather(1, idx.view(B, -1)).view(B, -1, bs)
+        labels = flat(input_ids)
+        anchor_doc = doc_ids.gather(1, anchors)[:, :, None]
+        label_ok = (in_row & (flat(doc_ids) == anchor_doc) & flat(loss_mask).bool()
+                    & anchor_valid[:, :, None] & (slot > 0))
+        ce, correct = ChunkedLMHeadCE.apply(hidden.reshape(B * num_anchors * bs, -1), self.lm_head_weight,
+                                            labels.reshape(-1), ce_chunk_size)
+        ce = ce.view(B, num_anchors, bs)
+        weight = torch.exp(-(slot - 1).clamp(min=0).to(ce.dtype) / gamma) * label_ok
+        loss = (weight * ce).sum() / weight.sum().clamp(min=1e-6)
+        return loss, self.block_stats(loss, correct.view(B, num_anchors, bs), label_ok, anchor_valid)
+
+    @staticmethod
+    def block_stats(loss, correct, label_ok, anchor_valid):
+        """Sums that add up across steps: [loss, sum tau, blocks, correct per slot, labels per slot]."""
+        hit = (correct & label_ok)[:, :, 1:]
+        tau = 1 + hit.long().cumprod(-1).sum(-1)  # 1 + leading correct slots
+        valid = anchor_valid.float()
+        return torch.cat([
+            loss.detach().float()[None],
+            (tau.float() * valid).sum()[None],
+            valid.sum()[None],
+            hit.float().sum((0, 1)),
+            label_ok[:, :, 1:].float().sum((0, 1)),
+        ])
+
+    # --- inference --------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def draft_logits(self, ctx_kv, anchor_token, anchor_position):
+        """Logits [1, bs-1, V] for slots 1.. of a block at anchor_position, given the context cache."""
+        bs = self.block_size
+        block_ids = torch.full((1, bs), self.mask_token_id, dtype=torch.long, device=anchor_token.device)
+        block_ids[0, 0] = anchor_token
+        positions = anchor_position + torch.arange(bs, device=anchor_token.device)[None]
+        hidden = self.draft_hidden(block_ids, positions, ctx_kv, full_attend)
+        return hidden[:, 1:].to(self.lm_head_weight.dtype) @ self.lm_head_weight.t()
+
+    @torch.no_grad()
+    def spec_generate(self, target, input_ids, max_new_tokens, stop_token_ids=()):
+        """Greedy speculative decoding. Returns (generated ids [n], acceptance lengths per step).
+
+        Convention (brief section 3): the block starts at the token the target just sampled (its
+        hidden state is unknown); the drafter's KV cache holds context keys/values of every token
+        the target has verified; the target's cache is cropped to the accepted prefix."""
+        dev = input_ids.device
+        cache = new_cache(target)
+        ctx_kv = None
+        stop = set(int(t) for t in stop_token_ids)
+
+        def target_step(ids, start):
+            pos = torch.arange(start, start + ids.shape[1], device=dev)[None]
+            with capture_layer_outputs(target, self.target_layer_ids) as feats:
+                logits = target(ids, position_ids=pos, use_cache=True, **{cache_kwarg(target): cache}).logits
+            return logits.argmax(-1), torch.cat(feats, -1), pos
+
+        def extend_context(ctx_kv, feats, pos):
+            new = self.context_kv(feats.to(self.fc.weight.dtype), pos)
+            if ctx_kv is None:
+                return new
+            return [(torch.cat([k, nk], 2), torch.cat([v, nv], 2)) for (k, v), (nk, nv) in zip(ctx_kv, new)]
+
+        pred, feats, pos = target_step(input_ids, 0)
+        ctx_kv = extend_context(ctx_kv, feats, pos)
+        out = [int(pred[0, -1])]
+        start = input_ids.shape[1]  # position of the token just sampled
+        accepted_lengths = []
+        while len(out) < max_new_tokens and out[-1] not in stop:
+            anchor = pred.new_tensor(out[-1])
+            draft = self.draft_logits(ctx_kv, anchor, start).argmax(-1)  # [1, bs-1]
+            verify = torch.cat([anchor.view(1, 1), draft], 1)
+            pred, feats, pos = target_step(verify, start)
+            # Accept the longest prefix where the draft equals the target's own greedy choice.
+            m = int((draft == pred[:, :-1]).long().cumprod(-1).sum())
+            new_tokens = draft[0, :m].tolist() + [int(pred[0, m])]
+            crop_cache(cache, start + m + 1)
+            ctx_kv = extend_context(ctx_kv, feats[:, :m + 1], pos[:, :m + 1])
+            start += m + 1
+            accepted_lengths.append(m + 1)
+            for t in new_tokens:
+                out.append(t)
+                if t in stop:
+                    break
+        return truncate_at_stop(out, max_new_tokens, stop), accepted_lengths
+
+    # --- checkpoint -------------------------------------------------------------------------
+
+    def save_pretrained(self, path, dtype=None):
+        """config.json + model.safetensors, the format SGLang / vLLM / the reference code load."""
+        from safetensors.torch import save_file
+        os.makedirs(path, exist_ok=True)
+        state = {k: v.detach().to(dtype or v.dtype).contiguous().cpu() for k, v in self.state_dict().items()}
+        save_file(state, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
+        with open(os.path.join(path, "config.json"), "w") as f:
+            json.dump(serving_config_dict(self.config), f, indent=2, sort_keys=True)
+
+    @classmethod
+    def from_pretrained(cls, path, device="cpu", dtype=None):
+        from safetensors.torch import load_file
+        with open(os.path.join(path, "config.json")) as f:
+            cfg = json.load(f)
+        config = Qwen3Config(**{k: v for k, v in cfg.items() if k not in ("model_type", "transformers_version")})
+        model = cls(config)
+        model.load_state_dict(load_file(os.path.join(path, "model.safetensors")), strict=True)
+        return model.to(device=device, dtype=dtype)
+
+
+def serving_config_dict(config):
+    d = config.to_dict()
+    theta, scaling = rope_fields(config)
+    # Readers on transformers 4.x ignore rope_parameters and would fall back to theta 10000.
+    d["rope_theta"] = theta
+    if scaling:
+        d["rope_scaling"] = scaling
+    d.update(
+        architectures=["DFlashDraftModel"],
+        model_type="qwen3",
+        block_size=config.block_size,
+        num_target_layers=config.num_target_layers,
+        dflash_config=dict(config.dflash_config),
+        layer_types=["full_attention"] * config.num_hidden_layers,
+        num_hidden_layers=config.num_hidden_layers,
+        torch_dtype="bfloat16",
+    )
+    for key in ("id2label", "label2id", "dtype"):
+        d.pop(key, None)
+    return d
+
+
+def stats_to_metrics(stats, steps):
+    """Turn summed block_stats into loss, tau_hat and accuracy per slot 1..bs-1."""
+    stats = stats.double().cpu()
+    n = (stats.numel() - 3) // 2
+    hits, labels = stats[3:3 + n], stats[3 + n:]
+    return {
+        "loss": float(stats[0]) / max(steps, 1),
+        "tau_hat": float(stats[1] / stats[2].clamp(min=1)),
+        "acc": [round(float(a), 4) for a in hits / labels.clamp(min=1)],
+        "acc_mean": float(hits.sum() / labels.sum().clamp(min=1)),
+    }
+
+
+# -----------------------------------------------------------------------------
+# Target-model helpers: the decoder layers, their outputs, and the KV cache
+
+def decoder_layers(model):
+    base = getattr(model, model.base_model_prefix, model)
+    layers = getattr(base, "layers", None)
+    if layers is None:
+        raise ValueError(f"{type(model).__name__}: no decoder layers at .{model.base_model_prefix}.layers")
+    return layers
+
+
+class capture_layer_outputs:
+    """Collects the outputs of the given decoder layers ("layer i" = output of decoder layer i)
+    during a forward, in the order of layer_ids."""
+
+    def __init__(self, model, layer_ids):
+        self.layers = decoder_layers(model)
+        self.layer_ids = list(layer_ids)
+
+    def __enter__(self):
+        self.outputs = [None] * len(self.layer_ids)
+        self.hooks = []
+        for slot, i in enumerate(self.layer_ids):
+            def hook(module, args, output, slot=slot):
+                self.outputs[slot] = output[0] if isinstance(output, tuple) else output
+            self.hooks.append(self.layers[i].register_forward_hook(hook))
+        return self.outputs
+
+    def __exit__(self, *exc):
+        for h in self.hooks:
+            h.remove()
+
+
+def cache_kwarg(model):
+    # transformers renamed past_key_values to cache (5.2x); accept both.
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+
+def new_cache(model):
+    from transformers import DynamicCache
+    return DynamicCache()
+
+
+def crop_cache(cache, length):
+    # A negative argument removes that many tokens in transformers 4.x and 5.x alike.
+    extra = cache.get_seq_length() - length
+    if extra > 0:
+        cache.crop(-extra)
+
+
+def truncate_at_stop(tokens, max_new_tokens, stop):
+    tokens = tokens[:max_new_tokens]
+    for i, t in enumerate(tokens):
+        if t in stop:
+            return tokens[:i + 1]
+    return tokens
+
+
+@torch.no_grad()
+def greedy_generate(target, input_ids, max_new_tokens, stop_token_ids=()):
+    """Plain greedy decoding with a KV cache: the reference speculative decoding must equal."""
+    cache = new_cache(target)
+    stop = set(int(t) for t in stop_token_ids)
+    kw = cache_kwarg(target)
+    ids, out = input_ids, []
+    pos = torch.arange(input_ids.shape[1], device=input_ids.device)[None]
+    while len(out) < max_new_tokens:
+        tok = target(ids, position_ids=pos, use_cache=True, **{kw: cache}).logits[:, -1].argmax(-1)
+        out.append(int(tok))
+        if out[-1] in stop:
+            break
+        ids, pos = tok[:, None], pos[:, -1:] + 1
+    return out

@@ -1,0 +1,60 @@
+"""Small random-weight targets and a tokenizer the tests build themselves (nothing downloaded)."""
+import json
+import os
+
+import pytest
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedTokenizerFast
+
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<|end|>{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+
+
+def tiny_target(arch="qwen3", layers=6, hidden=64, vocab=300, dtype=torch.float64, seed=0):
+    kwargs = dict(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+                  tie_word_embeddings=False)
+    if arch in ("qwen3",):
+        kwargs["head_dim"] = hidden // 4
+    config = AutoConfig.for_model(arch, **kwargs)
+    config._attn_implementation = "sdpa"
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
+    return model.to(dtype).eval()
+
+
+def tiny_tokenizer():
+    """A byte-level BPE-free tokenizer: one token per character, plus chat special tokens."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, decoders
+    chars = [chr(i) for i in range(32, 127)] + ["\n"]
+    specials = ["<|pad|>", "<|end|>", "<|user|>", "<|assistant|>", "<|system|>", "<unk>"]
+    vocab = {t: i for i, t in enumerate(specials + chars)}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Split(pattern="", behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    tok.add_special_tokens(specials)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<|pad|>", eos_token="<|end|>",
+                                   unk_token="<unk>")
+    fast.chat_template = CHAT_TEMPLATE
+    return fast
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory):
+    """A saved tiny Qwen3 target + tokenizer, loadable as --target-model."""
+    path = tmp_path_factory.mktemp("tiny_target")
+    tok = tiny_tokenizer()
+    model = tiny_target(vocab=128, dtype=torch.float32)
+    model.save_pretrained(path)
+    tok.save_pretrained(path)
+    return str(path)
+
+
+def write_jsonl(path, rows):
+    with open(path, "w") as f:
+        for r in rows:
+            f.write(r if isinstance(r, str) else json.dumps(r))
+            f.write("\n")
+    return str(path)

@@ -1,0 +1,245 @@
+import json
+import math
+import os
+
+import pytest
+import torch
+from safetensors import safe_open
+
+import dflash_model as dm
+from conftest import tiny_target
+
+torch.set_default_dtype(torch.float64)
+
+
+def make_drafter(target, layers=2, block_size=4, seed=1):
+    torch.manual_seed(seed)
+    cfg = dm.make_drafter_config(target.config, mask_token_id=target.config.vocab_size - 1,
+                                 num_draft_layers=layers, block_size=block_size)
+    return dm.DFlashDraftModel(cfg).to(torch.float64).attach_target(target).eval()
+
+
+def target_features(target, ids, layer_ids):
+    with dm.capture_layer_outputs(target, layer_ids) as feats:
+        target(ids[None])
+    return torch.cat(feats, -1)[0]
+
+
+def packed_row(target, drafter, doc_lens, pad, seed=0):
+    """One packed row of several documents: ids, doc ids, positions and target features, each
+    document's features computed on its own (what the pipeline's target stage must produce)."""
+    g = torch.Generator().manual_seed(seed)
+    ids, docs, pos, feats = [], [], [], []
+    for d, n in enumerate(doc_lens):
+        t = torch.randint(0, target.config.vocab_size - 1, (n,), generator=g)
+        ids.append(t); docs.append(torch.full((n,), d)); pos.append(torch.arange(n))
+        feats.append(target_features(target, t, drafter.target_layer_ids))
+    ids.append(torch.zeros(pad, dtype=torch.long)); docs.append(torch.full((pad,), -1))
+    pos.append(torch.zeros(pad, dtype=torch.long)); feats.append(torch.zeros(pad, feats[0].shape[1]))
+    return torch.cat(ids)[None], torch.cat(docs)[None], torch.cat(pos)[None], torch.cat(feats)[None]
+
+
+def test_default_target_layer_ids():
+    assert dm.default_target_layer_ids(36, 5) == [1, 9, 17, 25, 33]
+    assert dm.default_target_layer_ids(36, 1) == [18]
+
+
+def test_attention_rule_matches_brute_force():
+    torch.manual_seed(0)
+    L, bs, A = 40, 4, 9
+    doc = torch.tensor([0] * 13 + [1] * 17 + [2] * 6 + [-1] * 4)[None].repeat(2, 1)
+    doc[1] = torch.tensor([0] * 30 + [1] * 10)
+    # random anchors with repeats-free overlap, including ones whose blocks run past the end
+    anchors = torch.stack([torch.sort(torch.randperm(L)[:A]).values for _ in range(2)])
+    anchors[:, -1] = L - 2
+    mask = dm.dense_block_mask(anchors, doc, bs)[:, 0]
+    for b in range(2):
+        for i in range(A):
+            a = int(anchors[b, i])
+            for s in range(bs):
+                q = i * bs + s
+                for j in range(L + A * bs):
+                    if j < L:
+                        want = j < a and int(doc[b, j]) == int(doc[b, a])
+                    else:
+                        want = (j - L) // bs == i
+                    assert bool(mask[b, q, j]) == want, (b, i, s, j)
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "llama"])
+def test_training_forward_matches_inference(arch):
+    """The logits the training forward gives a block at anchor a equal those the inference path
+    gives when drafting at a after the target processed tokens < a (catches context leaks)."""
+    target = tiny_target(arch)
+    drafter = make_drafter(target)
+    ids, doc, pos, feats = packed_row(target, drafter, [11, 17, 9], pad=3)
+    starts = {0: 0, 1: 11, 2: 28}
+    anchors = torch.tensor([[3, 10, 12, 20, 27, 29, 35]])  # several docs; blocks cross doc ends
+    hidden = drafter.block_hidden(feats, ids, doc, pos, anchors)
+    train_logits = (hidden @ drafter.lm_head_weight.t()).view(1, anchors.shape[1], drafter.block_size, -1)
+    for i, a in enumerate(anchors[0].tolist()):
+        d = int(doc[0, a]); p = a - starts[d]
+        prefix = ids[0, starts[d]:a]
+        f = target_features(target, prefix, drafter.target_layer_ids)[None]
+        ctx_kv = drafter.context_kv(f, torch.arange(p)[None])
+        infer = drafter.draft_logits(ctx_kv, ids[0, a], p)
+        torch.testing.assert_close(train_logits[0, i, 1:], infer[0], rtol=1e-9, atol=1e-9)
+
+
+def test_context_leak_would_be_caught():
+    """Sanity of the test above: letting a block see its anchor's own hidden state changes logits."""
+    target = tiny_target()
+    drafter = make_drafter(target)
+    ids, doc, pos, feats = packed_row(target, drafter, [20], pad=0)
+    a = 10
+    f_ok = target_features(target, ids[0, :a], drafter.target_layer_ids)[None]
+    f_leak = target_features(target, ids[0, :a + 1], drafter.target_layer_ids)[None]
+    ok = drafter.draft_logits(drafter.context_kv(f_ok, torch.arange(a)[None]), ids[0, a], a)
+    leak = drafter.draft_logits(drafter.context_kv(f_leak, torch.arange(a + 1)[None]), ids[0, a], a)
+    assert not torch.allclose(ok, leak)
+
+
+def test_loss_weights_and_normalisation_by_hand():
+    target = tiny_target()
+    drafter = make_drafter(target, block_size=4)
+    ids, doc, pos, feats = packed_row(target, drafter, [8, 6], pad=2)
+    L = ids.shape[1]
+    loss_mask = torch.ones(1, L); loss_mask[0, :3] = 0; loss_mask[0, 12] = 0; loss_mask[0, 14:] = 0
+    noise = torch.zeros(1, L); noise[0, 5] = 0.9; noise[0, 10] = 0.8; noise[0, 6] = 0.7
+    gamma = 2.0
+    loss, stats = drafter(feats, ids, loss_mask, doc, pos, noise, num_anchors=3, gamma=gamma, ce_chunk_size=5)
+    anchors = torch.tensor([[5, 6, 10]])
+    logits = (drafter.block_hidden(feats, ids, doc, pos, anchors) @ drafter.lm_head_weight.t()).view(3, 4, -1)
+    num = den = 0.0
+    for i, a in enumerate([5, 6, 10]):
+        for k in range(1, 4):
+            t = a + k
+            # same row, same document, loss mask set
+            if t >= L or doc[0, t] != doc[0, a] or loss_mask[0, t] == 0:
+                continue
+            w = math.exp(-(k - 1) / gamma)
+            ce = -torch.log_softmax(logits[i, k], -1)[ids[0, t]]
+            num += w * float(ce); den += w
+    assert den > 0
+    assert abs(float(loss) - num / den) < 1e-9
+    # anchor 10 (doc 1: 8..13) sees labels 11 (ok), 12 (masked), 13 (ok); anchor 5: 6, 7 then doc ends
+    assert float(stats[2]) == 3  # three valid blocks
+
+
+def test_too_few_valid_positions_get_zero_weight():
+    target = tiny_target()
+    drafter = make_drafter(target)
+    ids, doc, pos, feats = packed_row(target, drafter, [6], pad=10)
+    mask = (doc >= 0).double()
+    loss, stats = drafter(feats, ids, mask, doc, pos, torch.rand(1, 16), num_anchors=12)
+    assert torch.isfinite(loss)
+    assert float(stats[2]) == 5  # positions 0..4 are the only valid anchors
+
+
+def test_chunked_head_matches_full_and_grads():
+    torch.manual_seed(0)
+    h = torch.randn(37, 16, requires_grad=True)
+    w = torch.randn(50, 16)
+    lab = torch.randint(0, 50, (37,))
+    ce, correct = dm.ChunkedLMHeadCE.apply(h, w, lab, 8)
+    ref = torch.nn.functional.cross_entropy(h @ w.t(), lab, reduction="none")
+    torch.testing.assert_close(ce, ref)
+    assert torch.equal(correct, (h @ w.t()).argmax(-1) == lab)
+    g = torch.randn(37)
+    (gh,) = torch.autograd.grad((ce * g).sum(), h)
+    (gref,) = torch.autograd.grad((ref * g).sum(), h)
+    torch.testing.assert_close(gh, gref)
+
+
+def test_save_load_round_trip(tmp_path):
+    target = tiny_target()
+    drafter = make_drafter(target)
+    drafter.save_pretrained(tmp_path)
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    for key in ("hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim", "intermediate_size",
+                "vocab_size", "rope_theta", "rms_norm_eps", "block_size", "num_target_layers", "layer_types"):
+        assert key in cfg, key
+    assert cfg["architectures"] == ["DFlashDraftModel"]
+    assert cfg["num_hidden_layers"] == 2 and cfg["layer_types"] == ["full_attention"] * 2
+    assert cfg["dflash_config"] == {"mask_token_id": 299, "target_layer_ids": drafter.target_layer_ids}
+    assert cfg["rope_theta"] == dm.rope_fields(target.config)[0]
+    assert sorted(os.listdir(tmp_path)) == ["config.json", "model.safetensors"]
+    with safe_open(tmp_path / "model.safetensors", "pt") as f:
+        names = set(f.keys())
+    assert not any("embed" in n or "lm_head" in n for n in names)
+    expected = {"norm.weight", "fc.weight", "hidden_norm.weight"}
+    for i in range(2):
+        expected |= {f"layers.{i}.self_attn.{p}_proj.weight" for p in "qkvo"}
+        expected |= {f"layers.{i}.self_attn.{p}_norm.weight" for p in "qk"}
+        expected |= {f"layers.{i}.mlp.{p}_proj.weight" for p in ("gate", "up", "down")}
+        expected |= {f"layers.{i}.{p}_layernorm.weight" for p in ("input", "post_attention")}
+    assert names == expected
+    loaded = dm.DFlashDraftModel.from_pretrained(tmp_path, dtype=torch.float64).attach_target(target)
+    ids, doc, pos, feats = packed_row(target, drafter, [12], pad=0)
+    anchors = torch.tensor([[2, 7]])
+    torch.testing.assert_close(loaded.block_hidden(feats, ids, doc, pos, anchors),
+                               drafter.block_hidden(feats, ids, doc, pos, anchors))
+
+
+def test_rope_scaling_written_top_level(tmp_path):
+    target = tiny_target("llama")
+    target.config.rope_parameters = {"rope_type": "linear", "factor": 2.0, "rope_theta": 5e5}
+    cfg = dm.make_drafter_config(target.config, mask_token_id=1, num_draft_layers=1, block_size=4)
+    d = dm.serving_config_dict(cfg)
+    assert d["rope_theta"] == 5e5 and d["rope_scaling"]["rope_type"] == "linear"
+
+
+class OracleDrafter:
+    """Wraps a drafter's draft_logits so its first `right` slots are the target's true continuation."""
+
+    def __init__(self, drafter, truth, prompt_len, right):
+        self.drafter, self.truth, self.prompt_len, self.right = drafter, truth, prompt_len, right
+
+    def __call__(self, ctx_kv, anchor_token, anchor_position):
+        logits = dm.DFlashDraftModel.draft_logits(self.drafter, ctx_kv, anchor_token, anchor_position)
+        for k in range(min(self.right, logits.shape[1])):
+            i = anchor_position + 1 + k - self.prompt_len
+            if 0 <= i < len(self.truth):
+                logits[0, k] = 0
+                logits[0, k, self.truth[i]] = 1
+        return logits
+
+
+@pytest.mark.parametrize("right", [0, 2, 3, 100])
+def test_spec_generate_is_lossless(right):
+    target = tiny_target()
+    drafter = make_drafter(target, block_size=4)
+    prompt = torch.randint(0, 299, (1, 7), generator=torch.Generator().manual_seed(3))
+    truth = dm.greedy_generate(target, prompt, 30)
+    drafter.draft_logits = OracleDrafter(drafter, truth, prompt.shape[1], right)
+    out, acc = drafter.spec_generate(target, prompt, 30)
+    assert out == truth
+    assert sum(acc) + 1 >= len(out)
+    if right >= 3:  # every draft right: bs tokens per target forward
+        assert acc[:-1] == [4] * (len(acc) - 1)
+    elif right == 2:
+        assert set(acc[:-1]) == {3}
+
+
+def test_spec_generate_stops_at_stop_token():
+    target = tiny_target()
+    drafter = make_drafter(target, block_size=4)
+    prompt = torch.randint(0, 299, (1, 5), generator=torch.Generator().manual_seed(4))
+    truth = dm.greedy_generate(target, prompt, 20)
+    stop = truth[6]
+    out, _ = drafter.spec_generate(target, prompt, 20, stop_token_ids=[stop])
+    assert out == dm.greedy_generate(target, prompt, 20, stop_token_ids=[stop])
+    assert out[-1] == stop and len(out) <= 7
+
+
+def test_training_step_compiles_fullgraph():
+    torch._dynamo.reset()
+    target = tiny_target(dtype=torch.float32)
+    drafter = make_drafter(target).float().train()
+    ids, doc, pos, feats = packed_row(target, drafter, [20, 12], pad=0)
+    feats = feats.float()
+    mask = torch.ones(1, 32)
+    step = torch.compile(drafter, fullgraph=True, backend="aot_eager")
+    loss, stats = step(feats, ids, mask, doc, pos, torch.rand(1, 32), num_anchors=8)
+    loss.backward()
+    assert torch.isfinite(loss) and drafter.fc.weight.grad is not None
