@@ -12,10 +12,10 @@ CHAT_TEMPLATE = (
 )
 
 
-def tiny_target(arch="qwen3", layers=6, hidden=64, vocab=300, dtype=torch.float64, seed=0):
+def tiny_target(arch="qwen3", layers=6, hidden=64, vocab=300, dtype=torch.float64, seed=0, init_std=0.02):
     kwargs = dict(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
-                  tie_word_embeddings=False)
+                  tie_word_embeddings=False, initializer_range=init_std)
     if arch in ("qwen3",):
         kwargs["head_dim"] = hidden // 4
     config = AutoConfig.for_model(arch, **kwargs)
@@ -46,7 +46,7 @@ def tiny_model_dir(tmp_path_factory):
     """A saved tiny Qwen3 target + tokenizer, loadable as --target-model."""
     path = tmp_path_factory.mktemp("tiny_target")
     tok = tiny_tokenizer()
-    model = tiny_target(vocab=128, dtype=torch.float32)
+    model = tiny_target(vocab=128, dtype=torch.float32, init_std=0.15)
     model.save_pretrained(path)
     tok.save_pretrained(path)
     return str(path)

@@ -1,0 +1,185 @@
+import json
+import os
+import random
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+import dflash_model as dm
+import train_dflash_pipeline as tp
+from conftest import tiny_target, tiny_tokenizer, write_jsonl
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+WORDS = "the cat sat on a mat and then it ran to see the dog who was very happy".split()
+
+
+def chat_rows(n, seed=0):
+    rng = random.Random(seed)
+    rows = []
+    for i in range(n):
+        q = " ".join(rng.choice(WORDS) for _ in range(rng.randint(3, 10)))
+        a = " ".join(WORDS[(i + j) % len(WORDS)] for j in range(rng.randint(8, 30)))
+        if i % 2:
+            rows.append({"messages": [{"role": "user", "content": q}, {"role": "assistant", "content": a}]})
+        else:
+            rows.append({"conversations": [{"from": "human", "value": q}, {"from": "gpt", "value": a}]})
+    return rows
+
+
+def run_cli(tmp_path, model_dir, data, *extra, timeout=600):
+    cmd = [sys.executable, os.path.join(ROOT, "train_dflash_pipeline.py"), "--target-model", model_dir,
+           "--data", data, "--output-dir", str(tmp_path / "out"), "--cache-dir", str(tmp_path / "cache"),
+           "--max-length", "128", "--token-budget", "256", "--num-anchors", "16", "--block-size", "4",
+           "--num-draft-layers", "2", "--lr", "1e-2", "--eval-prompts", "0", *extra]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+
+
+def metrics(tmp_path):
+    with open(tmp_path / "out" / "metrics.jsonl") as f:
+        return [json.loads(l) for l in f]
+
+
+def test_end_to_end_two_workers(tmp_path, tiny_model_dir):
+    data = write_jsonl(tmp_path / "d.jsonl", chat_rows(60))
+    r = run_cli(tmp_path, tiny_model_dir, data, "--target-gpus", "cpu", "--drafter-gpus", "cpu,cpu",
+                "--max-steps", "30", "--log-interval", "5", "--save-interval", "10")
+    assert r.returncode == 0, r.stdout + r.stderr
+    m = metrics(tmp_path)
+    assert [x["step"] for x in m] == [5, 10, 15, 20, 25, 30]
+    assert m[-1]["loss"] < m[0]["loss"] * 0.9, [x["loss"] for x in m]
+    out = tmp_path / "out"
+    assert sorted(os.listdir(out / "checkpoints")) == ["step_10", "step_20", "step_30"]
+    assert sorted(os.listdir(out / "final")) == ["config.json", "model.safetensors"]
+    drafter = dm.DFlashDraftModel.from_pretrained(out / "final")
+    assert drafter.block_size == 4 and len(drafter.layers) == 2
+    log = (out / "train.log").read_text()
+    assert "tok/s" in log and "tau" in log and "done: 30 steps" in log
+
+
+def test_replicas_stay_identical(tmp_path, tiny_model_dir, monkeypatch):
+    """Two workers, different batches each step: parameters are equal after every step."""
+    data = write_jsonl(tmp_path / "d.jsonl", chat_rows(40))
+    snapshots = []
+    orig = tp.Run.write_metrics
+
+    def spy(self, step):  # runs once both workers have finished `step`
+        snapshots.append((step, [[p.detach().clone() for p in w.drafter.parameters()] for w in self.workers]))
+        return orig(self, step)
+    monkeypatch.setattr(tp.Run, "write_metrics", spy)
+    args = ["--target-model", tiny_model_dir, "--data", data, "--output-dir", str(tmp_path / "o"),
+            "--cache-dir", str(tmp_path / "c"), "--max-length", "128", "--token-budget", "256",
+            "--num-anchors", "16", "--block-size", "4", "--num-draft-layers", "1", "--max-steps", "4",
+            "--target-gpus", "cpu", "--drafter-gpus", "cpu,cpu", "--eval-prompts", "0", "--log-interval", "1"]
+    assert tp.main(args) == 0
+    assert [s[0] for s in snapshots] == [1, 2, 3, 4]
+    for step, (p0, p1) in snapshots:
+        for a, b in zip(p0, p1):
+            assert torch.equal(a, b), step
+    assert not all(torch.equal(a, b) for a, b in zip(snapshots[0][1][0], snapshots[-1][1][0]))
+
+
+def test_resume_equals_uninterrupted(tmp_path, tiny_model_dir):
+    data = write_jsonl(tmp_path / "d.jsonl", chat_rows(40))
+    common = ["--target-gpus", "cpu", "--drafter-gpus", "cpu,cpu", "--max-steps", "8", "--log-interval", "1",
+              "--save-interval", "4"]
+    full = tmp_path / "full"; full.mkdir()
+    r = run_cli(full, tiny_model_dir, data, *common)
+    assert r.returncode == 0, r.stderr
+    part = tmp_path / "part"; part.mkdir()
+    r = run_cli(part, tiny_model_dir, data, *common[:-4], "--max-steps", "8", "--log-interval", "1",
+                "--save-interval", "4", "--fault-inject-step", "6")
+    assert r.returncode != 0
+    assert sorted(os.listdir(part / "out" / "checkpoints")) == ["step_4"]
+    r = run_cli(part, tiny_model_dir, data, *common, "--resume", "auto")
+    assert r.returncode == 0, r.stderr
+    lf = {x["step"]: x["loss"] for x in metrics(full)}
+    lp = {x["step"]: x["loss"] for x in metrics(part)}
+    for s in range(5, 9):
+        assert lf[s] == lp[s], (s, lf[s], lp[s])
+
+
+def test_fault_in_worker_stops_run_promptly(tmp_path, tiny_model_dir):
+    data = write_jsonl(tmp_path / "d.jsonl", chat_rows(40))
+    t0 = time.time()
+    r = run_cli(tmp_path, tiny_model_dir, data, "--target-gpus", "cpu", "--drafter-gpus", "cpu,cpu",
+                "--max-steps", "1000", "--fault-inject-step", "3", timeout=120)
+    assert r.returncode == 1
+    assert "fault injected at step 3" in r.stderr and "Traceback" in r.stderr
+    assert time.time() - t0 < 120
+
+
+def test_malformed_rows_counted_not_fatal(tmp_path, tiny_model_dir):
+    rows = chat_rows(30) + ["{not json", json.dumps({"messages": []}),
+                            json.dumps({"messages": [{"role": "wizard", "content": "x"}]}),
+                            json.dumps({"messages": [{"role": "user", "content": "only a question"}]})]
+    data = write_jsonl(tmp_path / "d.jsonl", rows)
+    r = run_cli(tmp_path, tiny_model_dir, data, "--max-steps", "2", "--target-gpus", "cpu", "--drafter-gpus", "cpu")
+    assert r.returncode == 0, r.stderr
+    assert "d.jsonl:31: bad JSON" in r.stdout
+    assert "unknown role 'wizard'" in r.stdout and "no assistant turn" in r.stdout
+    assert "4 rows skipped" in r.stdout
+
+
+def test_mostly_bad_corpus_and_missing_file_refused(tmp_path, tiny_model_dir):
+    data = write_jsonl(tmp_path / "d.jsonl", ["{bad"] * 10 + [json.dumps(chat_rows(1)[0])])
+    r = run_cli(tmp_path, tiny_model_dir, data, "--max-steps", "2")
+    assert r.returncode == 2 and "malformed" in r.stderr
+    r = run_cli(tmp_path, tiny_model_dir, str(tmp_path / "missing.jsonl"), "--max-steps", "2")
+    assert r.returncode == 2 and "no such file" in r.stderr
+
+
+@pytest.mark.parametrize("extra,msg", [
+    (["--token-budget", "64"], "smaller than --max-length"),
+    (["--block-size", "200"], "--block-size 200 does not fit"),
+    (["--target-gpus", "0", "--drafter-gpus", "7"], "does not exist"),
+])
+def test_impossible_settings_refused(tmp_path, tiny_model_dir, extra, msg):
+    r = run_cli(tmp_path, tiny_model_dir, "unused.jsonl", *extra)
+    assert r.returncode == 2 and msg in r.stderr, r.stderr
+
+
+def test_encoder_decoder_target_refused(tmp_path):
+    from transformers import T5Config
+    T5Config(d_model=32, num_layers=1, num_heads=2, d_kv=16, d_ff=32, vocab_size=50).save_pretrained(tmp_path / "t5")
+    r = run_cli(tmp_path, str(tmp_path / "t5"), "unused.jsonl")
+    assert r.returncode == 2 and "not a decoder-only causal LM" in r.stderr
+
+
+def test_assistant_only_loss_mask():
+    tok = tiny_tokenizer()
+    msgs = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"},
+            {"role": "user", "content": "q"}, {"role": "assistant", "content": "ab"}]
+    ids, mask = tp.tokenize_conversation(tok, msgs)
+    text = "".join(tok.convert_ids_to_tokens(i) for i, m in zip(ids, mask) if m)
+    assert text == "yo<|end|>ab<|end|>"
+
+
+def test_packing_deterministic_and_complete():
+    lengths = [5, 9, 30, 2, 17, 8, 8, 25, 31, 1]
+    a = tp.pack_epoch(lengths, 32, seed=1, epoch=0)
+    assert a == tp.pack_epoch(lengths, 32, seed=1, epoch=0)
+    assert a != tp.pack_epoch(lengths, 32, seed=1, epoch=1)
+    assert sorted(d for r in a for d in r) == list(range(10))
+    assert all(sum(lengths[d] for d in r) <= 32 for r in a)
+
+
+def test_packed_documents_do_not_see_each_other(tiny_model_dir):
+    """The target stage gives a document the same features packed with others as alone."""
+    replicas, _, _ = tp.load_target(tiny_model_dir, [torch.device("cpu")], [1, 3], log=lambda *a: None)
+    rep = replicas[0]
+    g = torch.Generator().manual_seed(0)
+    docs = [torch.randint(0, 100, (n,), generator=g) for n in (7, 12, 5)]
+    ids = torch.cat(docs + [torch.zeros(4, dtype=torch.long)])[None]
+    doc_ids = torch.cat([torch.full((len(d),), i) for i, d in enumerate(docs)] + [torch.full((4,), -1)])[None]
+    pos = torch.cat([torch.arange(len(d)) for d in docs] + [torch.zeros(4, dtype=torch.long)])[None]
+    packed = rep.features({"input_ids": ids, "doc_ids": doc_ids, "position_ids": pos})
+    at = 0
+    for d in docs:
+        alone = rep.features({"input_ids": d[None], "doc_ids": torch.zeros(1, len(d), dtype=torch.long),
+                              "position_ids": torch.arange(len(d))[None]})
+        torch.testing.assert_close(packed[0, at:at + len(d)], alone[0], rtol=1e-5, atol=1e-5)
+        at += len(d)
+    assert torch.isfinite(packed).all()
