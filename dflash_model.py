@@ -225,22 +225,28 @@ _compiled_flex = None
 
 
 def flex_attend(anchors, doc_ids, block_size):
-    """flex_attention over a block-sparse mask built from the same predicate (GPU path)."""
+    """flex_attention over a block-sparse mask built from the same predicate (GPU path). Inside a
+    torch.compile'd step both are traced into the step; eagerly, flex_attention runs compiled."""
     global _compiled_flex
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
-    if _compiled_flex is None:
-        _compiled_flex = torch.compile(flex_attention, dynamic=False)
     B, A = anchors.shape
     L = doc_ids.shape[1]
 
     def mask_mod(b, h, q_idx, kv_idx):
         return block_visible(q_idx, kv_idx, anchors[b], doc_ids[b], L, block_size)
 
+    compiling = torch.compiler.is_compiling()
     block_mask = create_block_mask(mask_mod, B, None, A * block_size, L + A * block_size,
-                                   device=anchors.device)
+                                   device=anchors.device, _compile=not compiling)
+    if compiling:
+        attn = flex_attention
+    else:
+        if _compiled_flex is None:
+            _compiled_flex = torch.compile(flex_attention, dynamic=False)
+        attn = _compiled_flex
 
     def attend(q, k, v):
-        return _compiled_flex(q, k, v, block_mask=block_mask, enable_gqa=True)
+        return attn(q, k, v, block_mask=block_mask, enable_gqa=True)
     return attend
 
 
@@ -279,8 +285,8 @@ class ChunkedLMHeadCE(torch.autograd.Function):
         grads = []
         for s in range(0, hidden.shape[0], chunk):
             logits = _upcast(hidden[s:s + chunk].to(weight.dtype) @ weight.t())
-            dlogits = torch.softmax(logits, -1)
-            dlogits = dlogits - F.one_hot(labels[s:s + chunk], logits.shape[-1]).to(dlogits.dtype)
+            dlogits = torch.softmax(logits, -1)  # d ce / d logits = softmax - onehot(label)
+            dlogits.scatter_add_(1, labels[s:s + chunk, None], torch.full_like(dlogits[:, :1], -1.0))
             dlogits = dlogits * grad_ce[s:s + chunk, None]
             grads.append((dlogits.to(weight.dtype) @ weight).to(hidden.dtype))
         return torch.cat(grads), None, None, None
@@ -370,7 +376,7 @@ class DFlashDraftModel(nn.Module):
         return self.draft_hidden(block_ids.view(B, A * bs), block_pos.view(B, A * bs), ctx_kv, attend)
 
     def forward(self, target_hidden, input_ids, loss_mask, doc_ids, position_ids, anchor_noise,
-                num_anchors, gamma=None, ce_chunk_size=8192, attention="sdpa"):
+                num_anchors, gamma=None, ce_chunk_size=4096, attention="sdpa"):
         """Training loss for one fixed-shape batch, plus a stats vector (see stats_to_metrics).
 
         target_hidden [B, L, n*H]; input_ids, loss_mask, doc_ids, position_ids, anchor_noise [B, L].

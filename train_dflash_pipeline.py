@@ -62,7 +62,7 @@ def build_parser():
     a("--max-steps", type=int, default=None, help="stop after this many optimizer steps")
     a("--grad-clip", type=float, default=1.0)
     a("--loss-decay-gamma", type=float, default=None, help="default: 7 for block 16, 5 for 10, 4 for 8")
-    a("--ce-chunk-size", type=int, default=8192, help="draft positions per LM-head/CE chunk (bounds logits memory)")
+    a("--ce-chunk-size", type=int, default=4096, help="draft positions per LM-head/CE chunk (bounds logits memory)")
     a("--seed", type=int, default=0)
     a("--log-interval", type=int, default=10)
     a("--save-interval", type=int, default=1000)
@@ -70,6 +70,8 @@ def build_parser():
     a("--resume", default=None, help="a checkpoint directory, or 'auto' for the latest in --output-dir")
     a("--compile", action="store_true", help="compile each drafter step and replay it as one CUDA graph")
     a("--queue-depth", type=int, default=2, help="batches waiting per drafter worker")
+    a("--switch-interval", type=float, default=1e-4,
+      help="Python thread switch interval (s) on GPU runs: short, so workers are not kept waiting")
     a("--cache-dir", default=os.path.join(os.path.expanduser("~"), ".cache", "dflash_train"))
     a("--eval-prompts", type=int, default=8, help="held-out prompts for the final acceptance-length measurement")
     a("--eval-max-new-tokens", type=int, default=64)
@@ -377,8 +379,9 @@ class BatchStream:
         epoch, k = skip // self.batches_per_epoch, skip % self.batches_per_epoch
         while True:
             rows = pack_epoch(self.corpus.lengths, self.max_length, self.seed, epoch)
-            if len(rows) < self.rows_per_batch:  # tiny corpus: repeat rows to fill one batch
-                rows = (rows * math.ceil(self.rows_per_batch / len(rows)))
+            # Epochs pack into slightly different row counts: cycle rows so every batch is full.
+            need = self.batches_per_epoch * self.rows_per_batch
+            rows = (rows * math.ceil(need / len(rows)))[:need]
             for i in range(k, self.batches_per_epoch):
                 yield epoch, make_batch(self.corpus, rows[i * self.rows_per_batch:(i + 1) * self.rows_per_batch],
                                         self.max_length)
@@ -399,20 +402,84 @@ def document_causal_mask(doc_ids, dtype):
 
 
 class TargetReplica:
+    """A frozen target on one device. With --compile its fixed-shape forward is captured once
+    as a CUDA graph, so the main thread issues a few calls per batch instead of thousands."""
+
     def __init__(self, model, layer_ids, device):
         self.model, self.layer_ids, self.device = model, layer_ids, device
         self.dtype = next(model.parameters()).dtype
+        self.graph, self.static_in, self.static_out = None, None, None
+
+    def forward(self, input_ids, position_ids, doc_ids):
+        """Concatenated outputs of the captured layers, [R, L, n*H]."""
+        mask = document_causal_mask(doc_ids, self.dtype)
+        base = getattr(self.model, self.model.base_model_prefix)
+        with dm.capture_layer_outputs(self.model, self.layer_ids) as outs:
+            base(input_ids=input_ids, attention_mask=mask, position_ids=position_ids, use_cache=False)
+        return torch.cat(outs, dim=-1)
 
     @torch.no_grad()
     def features(self, batch):
-        """Concatenated outputs of the captured layers, [R, L, n*H], on this replica's device."""
-        ids = batch["input_ids"].to(self.device, non_blocking=True)
-        pos = batch["position_ids"].to(self.device, non_blocking=True)
-        mask = document_causal_mask(batch["doc_ids"].to(self.device, non_blocking=True), self.dtype)
-        base = getattr(self.model, self.model.base_model_prefix)
-        with dm.capture_layer_outputs(self.model, self.layer_ids) as outs:
-            base(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=False)
-        return torch.cat(outs, dim=-1)
+        keys = ("input_ids", "position_ids", "doc_ids")
+        if self.graph is None:
+            return self.forward(*(batch[k].to(self.device, non_blocking=True) for k in keys))
+        for buf, k in zip(self.static_in, keys):
+            buf.copy_(batch[k], non_blocking=True)
+        self.graph.replay()
+        return self.static_out  # overwritten by the next replay: the caller copies it
+
+    def synthetic_inputs(self, rows, length):
+        dev = self.device
+        return [torch.randint(0, dm.text_config(self.model.config).vocab_size, (rows, length), device=dev),
+                torch.arange(length, device=dev).repeat(rows, 1),
+                torch.zeros(rows, length, dtype=torch.long, device=dev)]
+
+    @torch.no_grad()
+    def capture(self, rows, length):
+        self.static_in = self.synthetic_inputs(rows, length)
+        side = torch.cuda.Stream(self.device)
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(side):
+            for _ in range(2):
+                self.forward(*self.static_in)
+        torch.cuda.current_stream(self.device).wait_stream(side)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph, stream=side, capture_error_mode="thread_local"):
+            self.static_out = self.forward(*self.static_in)
+        torch.cuda.synchronize(self.device)
+
+
+def budget_that_fits(device, budget, max_length, one_row_step):
+    """After an out-of-memory error: run one row, and scale to the memory the device has."""
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats(device)
+    base = torch.cuda.memory_allocated(device)
+    one_row_step()
+    per_row = max(torch.cuda.max_memory_allocated(device) - base, 1)
+    free, _ = torch.cuda.mem_get_info(device)
+    rows = int(0.9 * (free + torch.cuda.memory_allocated(device) - base) // per_row)
+    return max(rows, 0) * max_length, per_row
+
+
+def warm_up_target(replicas, args, log):
+    """One fixed-shape forward per replica (captured as a CUDA graph with --compile), so a token
+    budget that does not fit shows now, with the largest that does."""
+    rows = args.token_budget // args.max_length
+    for r in replicas:
+        try:
+            if args.compile:
+                with COMPILE_LOCK:
+                    r.capture(rows, args.max_length)
+            else:
+                r.features(dict(zip(("input_ids", "position_ids", "doc_ids"), r.synthetic_inputs(rows, args.max_length))))
+        except torch.cuda.OutOfMemoryError:
+            fits, per_row = budget_that_fits(r.device, args.token_budget, args.max_length,
+                                             lambda: r.forward(*r.synthetic_inputs(1, args.max_length)))
+            raise UsageError(f"--token-budget {args.token_budget} does not fit the target stage on {r.device} "
+                             f"({per_row / 2**30:.1f} GB per row of {args.max_length}); the largest that fits is "
+                             f"about --token-budget {fits}") from None
+    if args.compile:
+        log(f"target: forward captured as a CUDA graph on {[str(r.device) for r in replicas]}")
 
 
 def load_target(name, devices, layer_ids, log=print):
@@ -499,58 +566,151 @@ def lr_at(step, total_steps, warmup_steps, peak):
 # -----------------------------------------------------------------------------
 # Drafter worker: one thread, one device, one replica
 
+# torch.compile (dynamo, inductor, flex_attention's own compile) is not thread-safe, and only
+# one CUDA graph capture may be underway in a process: all of it happens under this lock.
+COMPILE_LOCK = threading.Lock()
+BATCH_KEYS = ("features", "input_ids", "loss_mask", "doc_ids", "position_ids")
+
+
 class DrafterWorker:
+    """Owns a drafter replica, its stream, optimizer and flat gradient buffer. Each step is
+    forward+backward -> gradient averaging -> clip + AdamW. With --compile the step is compiled,
+    then captured as CUDA graphs (one, or two around the averaging when there are several
+    replicas) and each step is: copy the batch into static buffers, replay."""
+
     def __init__(self, rank, device, drafter, args, averager, run):
         self.rank, self.device, self.drafter, self.args, self.averager, self.run = \
             rank, device, drafter, args, averager, run
         self.queue = queue.Queue(maxsize=args.queue_depth)
         self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
-        params = [p for p in drafter.parameters()]
-        # All gradients live in one flat buffer: averaging and clipping are one op each.
+        params = list(drafter.parameters())
+        # All gradients are views of one flat buffer: averaging and clipping are one op each.
         self.flat_grad = torch.zeros(sum(p.numel() for p in params), device=device, dtype=torch.float32)
         at = 0
         for p in params:
             p.grad = self.flat_grad[at:at + p.numel()].view_as(p)
             at += p.numel()
         cuda = device.type == "cuda"
+        # A tensor learning rate, so a captured optimizer step reads the scheduled value.
         self.lr = torch.tensor(args.lr, device=device) if cuda else args.lr
         self.optimizer = torch.optim.AdamW(params, lr=self.lr, weight_decay=args.weight_decay,
                                            foreach=True, capturable=cuda)
         self.generator = torch.Generator(device=device)
-        self.stats = None
-        self.losses = []
-        self.steps_done = 0
-        self.busy_time = 0.0
+        self.loss_fn = torch.compile(self.compute_loss, fullgraph=True, dynamic=False) if args.compile \
+            else self.compute_loss
+        self.graphs, self.static, self.static_out = None, None, None
+        self.stats, self.losses, self.steps_done, self.busy_time = None, [], 0, 0.0
+        self.ready = threading.Event()
         self.thread = threading.Thread(target=self.main, name=f"drafter-{rank}", daemon=True)
 
-    def autocast(self):
-        if self.device.type == "cuda":
-            return torch.autocast("cuda", dtype=torch.bfloat16)
-        return nullcontext()
+    # --- the step ---------------------------------------------------------------------------
 
-    def anchor_noise(self, step, shape):
+    def compute_loss(self, features, input_ids, loss_mask, doc_ids, position_ids, anchor_noise):
+        a = self.args
+        with torch.autocast("cuda", dtype=torch.bfloat16, cache_enabled=False) if self.device.type == "cuda" \
+                else nullcontext():
+            return self.drafter(features, input_ids, loss_mask, doc_ids, position_ids, anchor_noise,
+                                num_anchors=a.num_anchors, gamma=a.loss_decay_gamma,
+                                ce_chunk_size=a.ce_chunk_size, attention=a.attention)
+
+    def forward_backward(self, inputs):
+        self.flat_grad.zero_()
+        loss, stats = self.loss_fn(*inputs)
+        loss.backward()
+        return loss.detach(), stats
+
+    def clip_and_update(self):
+        grad_norm = self.flat_grad.norm()
+        self.flat_grad.mul_(torch.clamp(self.args.grad_clip / (grad_norm + 1e-6), max=1.0))
+        self.optimizer.step()
+        return grad_norm
+
+    def anchor_noise(self, step, out):
         # Stateless per (seed, step, rank): a resumed run draws the same anchors.
         self.generator.manual_seed(self.args.seed * 1_000_003 + step * 131 + self.rank)
-        return torch.rand(shape, generator=self.generator, device=self.device)
+        return torch.rand(out.shape, generator=self.generator, device=self.device, out=out)
 
-    def train_step(self, step, batch):
-        a = self.args
-        self.flat_grad.zero_()
-        with self.autocast():
-            loss, stats = self.drafter(batch["features"], batch["input_ids"], batch["loss_mask"], batch["doc_ids"],
-                                       batch["position_ids"], self.anchor_noise(step, batch["input_ids"].shape),
-                                       num_anchors=a.num_anchors, gamma=a.loss_decay_gamma,
-                                       ce_chunk_size=a.ce_chunk_size, attention=a.attention)
-        loss.backward()
-        self.averager.average(self.rank, self.flat_grad)
-        grad_norm = self.flat_grad.norm()
-        self.flat_grad.mul_(torch.clamp(a.grad_clip / (grad_norm + 1e-6), max=1.0))
+    def set_lr(self, step):
         if isinstance(self.lr, torch.Tensor):
             self.lr.fill_(self.run.lr_at(step))
         else:
             self.optimizer.param_groups[0]["lr"] = self.run.lr_at(step)
-        self.optimizer.step()
-        return loss.detach(), torch.cat([stats, grad_norm.detach().float()[None]])
+
+    def train_step(self, step, batch):
+        self.set_lr(step)
+        if self.graphs is None:
+            inputs = [batch[k] for k in BATCH_KEYS]
+            inputs.append(self.anchor_noise(step, torch.empty(batch["input_ids"].shape, device=self.device)))
+            loss, stats = self.forward_backward(inputs)
+            self.averager.average(self.rank, self.flat_grad)
+            grad_norm = self.clip_and_update()
+        else:
+            for k, buf in zip(BATCH_KEYS, self.static):
+                buf.copy_(batch[k], non_blocking=True)
+            self.anchor_noise(step, self.static[-1])
+            self.graphs[0].replay()
+            if len(self.graphs) > 1:
+                self.averager.average(self.rank, self.flat_grad)
+                self.graphs[1].replay()
+            loss, stats, grad_norm = self.static_out
+        return loss.clone(), torch.cat([stats, grad_norm.detach().float()[None]])
+
+    def capture_or_explain(self):
+        a = self.args
+        try:
+            self.capture(a.token_budget // a.max_length, self.run.features_dim)
+        except torch.cuda.OutOfMemoryError:
+            self.graphs = self.static = None
+            fits, per_row = budget_that_fits(self.device, a.token_budget, a.max_length,
+                                             lambda: self.forward_backward(self.synthetic_inputs(1, self.run.features_dim)))
+            raise RuntimeError(f"--token-budget {a.token_budget} does not fit the drafter step on {self.device} "
+                               f"({per_row / 2**30:.1f} GB per row of {a.max_length}); the largest that fits is "
+                               f"about --token-budget {fits}") from None
+
+    # --- compile and capture (at start-up, under COMPILE_LOCK, before the target streams) ------
+
+    def synthetic_inputs(self, rows, features_dim):
+        L, dev = self.args.max_length, self.device
+        g = torch.Generator(device=dev).manual_seed(1234 + self.rank)
+        vocab = self.drafter.embed_weight.shape[0]
+        return [torch.randn(rows, L, features_dim, device=dev, dtype=torch.bfloat16, generator=g),
+                torch.randint(0, vocab, (rows, L), device=dev, generator=g),
+                torch.ones(rows, L, device=dev),
+                torch.zeros(rows, L, dtype=torch.long, device=dev),
+                torch.arange(L, device=dev).repeat(rows, 1),
+                torch.rand(rows, L, device=dev, generator=g)]
+
+    def capture(self, rows, features_dim, warmup=3):
+        """Compile, warm up, then capture the whole step. The warm-up runs with lr 0 and the
+        optimizer state is restored afterwards, so training starts from the state it was given."""
+        self.static = self.synthetic_inputs(rows, features_dim)
+        state_tensors = lambda: [t for st in self.optimizer.state.values() for t in st.values()
+                                 if isinstance(t, torch.Tensor)]
+        saved = [(t, t.clone()) for t in state_tensors()] + [(p, p.detach().clone()) for p in self.drafter.parameters()]
+        fresh = not self.optimizer.state
+        self.lr.fill_(0.0)
+        for _ in range(warmup):
+            self.forward_backward(self.static)
+            self.clip_and_update()
+        torch.cuda.current_stream(self.device).synchronize()
+        for t, value in saved:
+            t.detach().copy_(value)
+        if fresh:  # the warm-up created the optimizer state: back to zero moments and step 0
+            for t in state_tensors():
+                t.zero_()
+        several = self.averager.num_workers > 1
+        g1 = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g1, stream=self.stream, capture_error_mode="thread_local"):
+            loss, stats = self.forward_backward(self.static)
+            grad_norm = None if several else self.clip_and_update()
+        self.graphs = [g1]
+        if several:
+            g2 = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g2, pool=g1.pool(), stream=self.stream, capture_error_mode="thread_local"):
+                grad_norm = self.clip_and_update()
+            self.graphs.append(g2)
+        self.static_out = (loss, stats, grad_norm)
+        torch.cuda.current_stream(self.device).synchronize()
 
     def get_batch(self):
         """The next batch, or None at the end of the run (sentinel) or when the run stops."""
@@ -564,6 +724,13 @@ class DrafterWorker:
     def main(self):
         try:
             with torch.cuda.stream(self.stream) if self.stream is not None else nullcontext():
+                if self.args.compile:
+                    with COMPILE_LOCK:
+                        self.run.log(f"drafter worker {self.rank}: compiling and capturing the step on {self.device}")
+                        t0 = time.perf_counter()
+                        self.capture_or_explain()
+                        self.run.log(f"drafter worker {self.rank}: captured in {time.perf_counter() - t0:.0f}s")
+                self.ready.set()
                 self.loop()
         except threading.BrokenBarrierError:
             pass  # another worker failed; its error is the one reported
@@ -581,7 +748,11 @@ class DrafterWorker:
             step += 1
             if self.args.fault_inject_step == step and self.rank == 0:
                 raise RuntimeError(f"fault injected at step {step}")
-            loss, stats = self.train_step(step, batch)
+            if step == self.run.start_step + 1 and self.device.type == "cuda" and not self.args.compile:
+                with COMPILE_LOCK:  # the first eager step compiles flex_attention
+                    loss, stats = self.train_step(step, batch)
+            else:
+                loss, stats = self.train_step(step, batch)
             self.stats = stats if self.stats is None else self.stats + stats
             self.losses.append(loss)
             self.steps_done = step
@@ -786,7 +957,7 @@ def feed(run, replicas, stream, start_step):
             feats = replica.features(batch)
             run.target_clock.stop(replica.device)
             item = {k: v.to(w.device, non_blocking=True) for k, v in batch.items()}
-            item["features"] = feats.to(w.device, non_blocking=True)
+            item["features"] = feats.to(w.device, non_blocking=True, copy=True)
             if w.device.type == "cuda":
                 item["ready"] = torch.cuda.Event()
                 item["ready"].record(torch.cuda.current_stream(w.device))
@@ -812,6 +983,50 @@ def join_workers(run, timeout_after_error=30.0):
 
 # -----------------------------------------------------------------------------
 # Main
+
+def run_pipeline(run, replicas, drafters, drafter_devices, optimizer_state=None, show_progress=True):
+    """Warm up (and with --compile capture) every stage, then stream batches until the run ends,
+    the run is interrupted, or any thread fails. Errors are left in run.errors."""
+    args = run.args
+    if any(d.type == "cuda" for d in drafter_devices + [r.device for r in replicas]):
+        # Workers need the interpreter between the main thread's Python ops (brief section 4).
+        sys.setswitchinterval(args.switch_interval)
+    run.averager = GradAverager(len(drafters))
+    run.workers = [DrafterWorker(i, dev, d, args, run.averager, run)
+                   for i, (dev, d) in enumerate(zip(drafter_devices, drafters))]
+    if optimizer_state is not None:
+        for w in run.workers:  # a copy each: load_state_dict keeps same-device tensors as they are
+            w.optimizer.load_state_dict(copy.deepcopy(optimizer_state))
+    run.features_dim = len(args.layer_ids) * drafters[0].config.hidden_size
+    warm_up_target(replicas, args, run.log)
+
+    # SIGINT/SIGTERM stop feeding at a step boundary; the end of the run saves.
+    def on_signal(signum, frame):
+        run.log(f"signal {signum}: finishing the queued steps, saving a checkpoint, exiting")
+        run.interrupted = True
+    in_main = threading.current_thread() is threading.main_thread()
+    old_handlers = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)} if in_main else {}
+    from tqdm import tqdm
+    run.pbar = tqdm(total=run.total_steps, initial=run.start_step, unit="step", dynamic_ncols=True,
+                    disable=None if show_progress else True)
+    for w in run.workers:
+        w.thread.start()
+    try:
+        # Captures happen one worker at a time, before any batch streams (brief section 4).
+        while not all(w.ready.is_set() for w in run.workers) and not run.stop.is_set():
+            time.sleep(0.05)
+        run.t_start = time.perf_counter()
+        run.last_log = (run.t_start, run.start_step)
+        feed(run, replicas, run.stream, run.start_step)
+    except BaseException:
+        run.fail("target stage (main thread)", traceback.format_exc())
+    join_workers(run)
+    for s, h in old_handlers.items():
+        signal.signal(s, h)
+    run.pbar.close()
+    run.pbar = None
+    return run
+
 
 def build_drafters(args, target_config, devices, embed, head, log):
     cfg = dm.make_drafter_config(target_config, mask_token_id=args.mask_token_id,
@@ -914,41 +1129,17 @@ def train(args):
         start_step = state["step"]
         log(f"resume: {resume_dir} at step {start_step}")
 
-    run = Run(args, total_steps, warmup_steps, start_step, stream, target_devices + drafter_devices, log_file)
-    run.averager = GradAverager(W)
-    run.workers = [DrafterWorker(i, dev, d, args, run.averager, run)
-                   for i, (dev, d) in enumerate(zip(drafter_devices, drafters))]
-    if state is not None:
-        for w in run.workers:  # a copy each: load_state_dict keeps same-device tensors as they are
-            w.optimizer.load_state_dict(copy.deepcopy(state["optimizer"]))
     if start_step >= total_steps:
         log(f"nothing to do: already at step {start_step} of {total_steps}")
         return 0
-
-    # Run: SIGINT/SIGTERM stop feeding at a step boundary; the end of the run saves.
-    def on_signal(signum, frame):
-        run.log(f"signal {signum}: finishing the queued steps, saving a checkpoint, exiting")
-        run.interrupted = True
-    old_handlers = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
-    from tqdm import tqdm
-    run.pbar = tqdm(total=total_steps, initial=start_step, unit="step", dynamic_ncols=True, disable=None)
-    for w in run.workers:
-        w.thread.start()
-    try:
-        feed(run, replicas, stream, start_step)
-    except BaseException:
-        run.fail("target stage (main thread)", traceback.format_exc())
-    join_workers(run)
-    for s, h in old_handlers.items():
-        signal.signal(s, h)
-    run.pbar.close()
-    run.pbar = None
-
+    run = Run(args, total_steps, warmup_steps, start_step, stream, target_devices + drafter_devices, log_file)
+    run_pipeline(run, replicas, drafters, drafter_devices, state["optimizer"] if state else None)
     if run.errors:
         for where, tb in run.errors:
             print(f"\nerror in {where}:\n{tb}", file=sys.stderr)
         run.log(f"stopped after an error; checkpoints in {args.output_dir}/checkpoints are untouched")
         return 1
+    W = len(run.workers)
     final_step = run.workers[0].steps_done
     if final_step not in checkpoint_steps(args.output_dir):  # interrupted between saves
         run.check_finite(final_step)

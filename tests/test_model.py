@@ -9,7 +9,15 @@ from safetensors import safe_open
 import dflash_model as dm
 from conftest import tiny_target
 
-torch.set_default_dtype(torch.float64)
+
+
+@pytest.fixture(autouse=True)
+def float64_default():
+    """Exact comparisons in this file: tiny models and inputs in float64."""
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    yield
+    torch.set_default_dtype(old)
 
 
 def make_drafter(target, layers=2, block_size=4, seed=1):

@@ -1,0 +1,387 @@
+"""Throughput and MFU of the pipeline at real shapes, random weights (nothing to download).
+
+    python scripts/benchmark.py                       # 2 GPUs: Qwen3-8B-shaped target on 0, drafter on 1
+    python scripts/benchmark.py --preset small        # 1 GPU: a smaller target, both stages on GPU 0
+
+In one run: drafter step time eager / compiled / compiled+graph; target batch time eager / graph;
+whole-pipeline tokens/s eager vs compiled; 1 vs 2 drafter threads; drafter step time with and
+without the target running beside it; MFU of each stage from the formulas printed; peak memory.
+"""
+
+import argparse
+import json
+import os
+import sys
+import threading
+import time
+import types
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import dflash_model as dm  # noqa: E402
+import train_dflash_pipeline as tp  # noqa: E402
+
+PEAK_FLOPS = 989e12  # H200 dense bf16
+
+PRESETS = {
+    # Qwen3-8B shapes
+    "qwen3-8b": dict(vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
+                     num_attention_heads=32, num_key_value_heads=8, head_dim=128, rope_theta=1e6),
+    # Qwen3-1.7B shapes: fits beside its drafter on one GPU
+    "small": dict(vocab_size=151936, hidden_size=2048, intermediate_size=6144, num_hidden_layers=28,
+                  num_attention_heads=16, num_key_value_heads=8, head_dim=128, rope_theta=1e6),
+}
+
+
+# -----------------------------------------------------------------------------
+# FLOP formulas (matmuls only; attention scores excluded, as in the brief's figures)
+
+def linear_params_per_layer(c):
+    h, kv = c.hidden_size, c.num_key_value_heads * c.head_dim
+    q = c.num_attention_heads * c.head_dim
+    return h * q * 2 + h * kv * 2 + 3 * h * c.intermediate_size
+
+
+def target_flops_per_token(c, layers_run):
+    return 2 * linear_params_per_layer(c) * layers_run
+
+
+def drafter_flops_per_step(c, n_feat_layers, draft_layers, rows, length, anchors, block):
+    """Useful training FLOPs: 6 x params x draft positions for the draft layers; the context path
+    (fc: no input grad; k/v projections: forward + both grads); the frozen LM head forward + input
+    grad (its recompute in backward is not counted as useful)."""
+    P = rows * anchors * block
+    T = rows * length
+    h, kv = c.hidden_size, c.num_key_value_heads * c.head_dim
+    layers = 6 * linear_params_per_layer(c) * draft_layers * P
+    context = 4 * n_feat_layers * h * h * T + 6 * 2 * h * kv * draft_layers * T
+    head = 4 * h * c.vocab_size * P
+    return layers + context + head
+
+
+FORMULA = ("target: 2 * linear_params_per_layer * layers_run per token; drafter per step: "
+           "6 * draft_layer_params * P + (4 * n*H*H + 12 * H*kv_dim * layers) * T + 4 * H * V * P, "
+           "P = rows*anchors*block draft positions, T = rows*max_length context tokens; attention excluded")
+
+
+# -----------------------------------------------------------------------------
+# Building blocks at the benchmark's shapes
+
+def make_args(a, compile):
+    argv = ["--max-length", str(a.max_length), "--token-budget", str(a.rows * a.max_length),
+            "--num-anchors", str(a.anchors), "--block-size", str(a.block), "--num-draft-layers", str(a.draft_layers),
+            "--ce-chunk-size", str(a.ce_chunk), "--log-interval", str(a.log_interval), "--save-interval", "1000000",
+            "--output-dir", a.output_dir, "--eval-prompts", "0", "--queue-depth", "2"]
+    args = tp.build_parser().parse_args(argv + (["--compile"] if compile else []))
+    args.attention = "flex"
+    return args
+
+
+def build_target(cfg, device, layer_ids):
+    from transformers import AutoModelForCausalLM
+    cfg = type(cfg)(**cfg.to_dict())
+    cfg.num_hidden_layers = max(layer_ids) + 1  # only the layers that are run are built
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16, attn_implementation="sdpa")
+    return tp.TargetReplica(model.eval().requires_grad_(False), layer_ids, torch.device(device))
+
+
+def build_drafter(cfg, a, device, embed, head):
+    dcfg = dm.make_drafter_config(cfg, mask_token_id=cfg.vocab_size - 1, num_draft_layers=a.draft_layers,
+                                  block_size=a.block)
+    torch.manual_seed(0)
+    d = dm.DFlashDraftModel(dcfg).to(device).train()
+    d.embed_weight, d.lm_head_weight = embed.to(device), head.to(device)
+    return d
+
+
+def fake_run(args, features_dim, workers_n=1):
+    return types.SimpleNamespace(lr_at=lambda s: args.lr, features_dim=features_dim, log=print, resumed=False)
+
+
+def synthetic_batch(a, vocab, device, seed=0, features_dim=None):
+    g = torch.Generator().manual_seed(seed)
+    R, L = a.rows, a.max_length
+    doc = torch.zeros(R, L, dtype=torch.long)
+    pos = torch.zeros(R, L, dtype=torch.long)
+    for r in range(R):  # a few documents per row, like packed chat data
+        cuts = sorted(torch.randint(1, L, (3,), generator=g).tolist())
+        for i, (s, e) in enumerate(zip([0] + cuts, cuts + [L])):
+            doc[r, s:e], pos[r, s:e] = i, torch.arange(e - s)
+    b = {"input_ids": torch.randint(0, vocab - 2, (R, L), generator=g), "loss_mask": torch.ones(R, L),
+         "doc_ids": doc, "position_ids": pos}
+    if features_dim:
+        b["features"] = torch.randn(R, L, features_dim, generator=g).to(torch.bfloat16)
+    return {k: v.to(device) for k, v in b.items()}
+
+
+def time_cuda(fn, n, device):
+    torch.cuda.synchronize(device)
+    t0 = time.perf_counter()
+    for _ in range(n):
+        fn()
+    torch.cuda.synchronize(device)
+    return (time.perf_counter() - t0) / n
+
+
+def drafter_step_times(a, cfg, device, embed, head, features_dim, report):  # noqa: C901
+    """Eager, compiled (no graph) and compiled+graph drafter step times on one device; the
+    compiled and graphed timings use one worker (compiled once, then captured)."""
+    batch = synthetic_batch(a, cfg.vocab_size, device, features_dim=features_dim)
+    out = {}
+
+    def measure(mode, w, prepare):
+        torch.cuda.reset_peak_memory_stats(device)
+        with torch.cuda.stream(w.stream):
+            t0 = time.perf_counter()
+            prepare()
+            torch.cuda.synchronize(device)
+            warm = time.perf_counter() - t0
+            step = [100]
+
+            def one():
+                step[0] += 1
+                w.train_step(step[0], batch)
+            t = time_cuda(one, a.iters, device)
+        out[mode] = {"step_s": t, "warmup_s": warm, "peak_gb": torch.cuda.max_memory_allocated(device) / 2**30}
+        report(f"drafter {mode:9s}: {t * 1e3:8.1f} ms/step  (warm-up {warm:.0f}s, peak {out[mode]['peak_gb']:.1f} GB)")
+
+    for compile in [m == "compiled" for m in a.step_modes.split(",")]:
+        args = make_args(a, compile=compile)
+        d = build_drafter(cfg, a, device, embed, head)
+        w = tp.DrafterWorker(0, torch.device(device), d, args, tp.GradAverager(1), fake_run(args, features_dim))
+        warm_steps = lambda: [w.train_step(s + 1, batch) for s in range(3)]
+        measure("compiled" if compile else "eager", w, warm_steps)
+        if compile:
+            measure("graph", w, lambda: w.capture(a.rows, features_dim))
+        del w, d
+        torch.cuda.empty_cache()
+    return out
+
+
+def target_batch_times(a, replica, report):
+    batch = synthetic_batch(a, replica.model.config.vocab_size, replica.device)
+    out = {}
+    t = time_cuda(lambda: replica.features(batch), a.iters, replica.device)
+    out["eager"] = t
+    report(f"target eager    : {t * 1e3:8.1f} ms/batch")
+    replica.capture(a.rows, a.max_length)
+    t = time_cuda(lambda: replica.features(batch), a.iters, replica.device)
+    out["graph"] = t
+    report(f"target graph    : {t * 1e3:8.1f} ms/batch")
+    return out
+
+
+def drafter_threads_scaling(a, cfg, devices, embed, head, features_dim, report, steps):
+    """Graphed drafter steps/s with one worker thread, then one per device, gradient averaging
+    included; no target, batches resident on each device."""
+    results = {}
+    for n in (1, len(devices)):
+        if n in results:
+            continue
+        args = make_args(a, compile=True)
+        averager = tp.GradAverager(n)
+        workers = []
+        for rank, dev in enumerate(devices[:n]):
+            d = build_drafter(cfg, a, dev, embed, head)
+            workers.append(tp.DrafterWorker(rank, torch.device(dev), d, args, averager, fake_run(args, features_dim)))
+        for w in workers:
+            with torch.cuda.stream(w.stream):
+                w.capture(a.rows, features_dim)
+        batches = [synthetic_batch(a, cfg.vocab_size, w.device, features_dim=features_dim) for w in workers]
+
+        def loop(w, b):
+            with torch.cuda.stream(w.stream):
+                for s in range(steps):
+                    w.train_step(s + 1, b)
+                torch.cuda.synchronize(w.device)
+        threads = [threading.Thread(target=loop, args=(w, b)) for w, b in zip(workers, batches)]
+        t0 = time.perf_counter()
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        dt = time.perf_counter() - t0
+        results[n] = n * steps / dt
+        report(f"drafter threads x{n}: {results[n]:.2f} steps/s (averaging every step)")
+        del workers
+        torch.cuda.empty_cache()
+    return results
+
+
+def drafter_beside_target(a, cfg, replica, drafter_device, embed, head, features_dim, report, steps):
+    """Graphed drafter step time alone, and while the main thread runs eager target forwards."""
+    args = make_args(a, compile=True)
+    d = build_drafter(cfg, a, drafter_device, embed, head)
+    w = tp.DrafterWorker(0, torch.device(drafter_device), d, args, tp.GradAverager(1), fake_run(args, features_dim))
+    with torch.cuda.stream(w.stream):
+        w.capture(a.rows, features_dim)
+    b = synthetic_batch(a, cfg.vocab_size, drafter_device, features_dim=features_dim)
+    tb = synthetic_batch(a, cfg.vocab_size, replica.device)
+    out = {}
+    for label, busy, interval in (("alone", False, 1e-4), ("target eager beside, switch 5ms", True, 5e-3),
+                                  ("target eager beside, switch 0.1ms", True, 1e-4)):
+        sys.setswitchinterval(interval)
+        stop = threading.Event()
+        eager_target = tp.TargetReplica(replica.model, replica.layer_ids, replica.device)
+
+        def target_loop():
+            while not stop.is_set():
+                eager_target.features(tb)
+                torch.cuda.synchronize(replica.device)
+        th = threading.Thread(target=target_loop)
+        if busy:
+            th.start()
+        times = []
+        with torch.cuda.stream(w.stream):
+            for s in range(steps):
+                t0 = time.perf_counter()
+                w.train_step(s + 1, b)
+                torch.cuda.synchronize(w.device)
+                times.append(time.perf_counter() - t0)
+        stop.set()
+        if busy:
+            th.join()
+        times.sort()
+        out[label] = times[len(times) // 2]
+        report(f"drafter step {label:36s}: {out[label] * 1e3:7.1f} ms (median)")
+    sys.setswitchinterval(1e-4)
+    del w, d
+    torch.cuda.empty_cache()
+    return out
+
+
+class SyntheticStream:
+    """Stand-in for BatchStream: a few random packed batches, cycled."""
+
+    def __init__(self, a, vocab):
+        self.batches = [{k: v.pin_memory() for k, v in synthetic_batch(a, vocab, "cpu", seed=s).items()}
+                        for s in range(4)]
+        self.batches_per_epoch, self.packing_efficiency = 10**9, 1.0
+
+    def iterate(self, skip):
+        i = skip
+        while True:
+            yield 0, self.batches[i % len(self.batches)]
+            i += 1
+
+
+def pipeline_throughput(a, cfg, replicas, drafter_devices, embed, head, compile, report):
+    args = make_args(a, compile)
+    args.layer_ids = replicas[0].layer_ids
+    os.makedirs(a.output_dir, exist_ok=True)
+    for r in replicas:
+        r.graph = None
+    drafters = [build_drafter(cfg, a, dev, embed, head) for dev in drafter_devices]
+    run = tp.Run(args, a.pipeline_steps, 1, 0, SyntheticStream(a, cfg.vocab_size),
+                 [r.device for r in replicas] + [torch.device(d) for d in drafter_devices],
+                 open(os.path.join(a.output_dir, "train.log"), "a"))
+    t0 = time.perf_counter()
+    tp.run_pipeline(run, replicas, drafters, [torch.device(d) for d in drafter_devices], show_progress=False)
+    if run.errors:
+        for where, tb in run.errors:
+            print(f"error in {where}:\n{tb}")
+        raise SystemExit(1)
+    with open(os.path.join(a.output_dir, "metrics.jsonl")) as f:
+        recs = [json.loads(l) for l in f][-max(1, (a.pipeline_steps // a.log_interval) - 1):]
+    tok_s = sum(r["tokens_per_s"] for r in recs) / len(recs)
+    os.remove(os.path.join(a.output_dir, "metrics.jsonl"))
+    mode = "compiled+graph" if compile else "eager"
+    report(f"pipeline {mode:14s}: {tok_s:,.0f} tokens/s (mean of the last {len(recs)} log intervals; "
+           f"queues {recs[-1]['queue_depths']}; peak GB {recs[-1]['peak_mem_gb']}; total {time.perf_counter() - t0:.0f}s)")
+    del drafters, run
+    torch.cuda.empty_cache()
+    return tok_s, recs[-1]
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--preset", choices=sorted(PRESETS), default=None,
+                   help="qwen3-8b on 2+ GPUs (target GPU 0, drafter GPU 1); small on 1 GPU")
+    p.add_argument("--rows", type=int, default=None, help="rows of --max-length per batch (token budget / max length)")
+    p.add_argument("--max-length", type=int, default=3072)
+    p.add_argument("--anchors", type=int, default=512)
+    p.add_argument("--block", type=int, default=16)
+    p.add_argument("--draft-layers", type=int, default=5)
+    p.add_argument("--ce-chunk", type=int, default=4096)
+    p.add_argument("--iters", type=int, default=10)
+    p.add_argument("--pipeline-steps", type=int, default=40)
+    p.add_argument("--log-interval", type=int, default=10)
+    p.add_argument("--step-modes", default="eager,compiled", help="drafter step section: eager, compiled (then graph)")
+    p.add_argument("--skip", default="", help="comma list of sections to skip: step,target,scaling,beside,pipeline")
+    p.add_argument("--output-dir", default="/tmp/dflash_bench")
+    p.add_argument("--json", default=None, help="write all results here")
+    a = p.parse_args()
+    n_gpu = torch.cuda.device_count()
+    if n_gpu == 0:
+        raise SystemExit("benchmark.py needs a CUDA GPU")
+    a.preset = a.preset or ("qwen3-8b" if n_gpu >= 2 else "small")
+    a.rows = a.rows or (2 if a.preset == "qwen3-8b" else 1)
+    skip = set(a.skip.split(","))
+    from transformers import Qwen3Config
+    cfg = Qwen3Config(**PRESETS[a.preset])
+    layer_ids = dm.default_target_layer_ids(cfg.num_hidden_layers, a.draft_layers)
+    target_dev = "cuda:0"
+    drafter_dev = "cuda:1" if n_gpu >= 2 else "cuda:0"
+    features_dim = len(layer_ids) * cfg.hidden_size
+    lines = []
+
+    def report(s):
+        print(s, flush=True)
+        lines.append(s)
+
+    report(f"# {time.strftime('%Y-%m-%d %H:%M')} {torch.cuda.get_device_name(0)} x{n_gpu}, torch {torch.__version__}")
+    report(f"preset {a.preset}: batch {a.rows} x {a.max_length} tokens, {a.anchors} anchors/row x block {a.block}, "
+           f"{a.draft_layers} draft layers, target layers {layer_ids}; target on {target_dev}, drafter on {drafter_dev}")
+    report(f"FLOPs: {FORMULA}")
+    results = {"preset": a.preset, "rows": a.rows, "max_length": a.max_length}
+    t_flops = target_flops_per_token(cfg, max(layer_ids) + 1)
+    d_flops = drafter_flops_per_step(cfg, len(layer_ids), a.draft_layers, a.rows, a.max_length, a.anchors, a.block)
+    tokens = a.rows * a.max_length
+    report(f"target {t_flops / 1e9:.1f} GFLOP/token; drafter {d_flops / 1e12:.2f} TFLOP/step "
+           f"({d_flops / tokens / 1e9:.1f} GFLOP per data token)")
+
+    replica = build_target(cfg, target_dev, layer_ids)
+    embed = (torch.randn(cfg.vocab_size, cfg.hidden_size, device=drafter_dev) * 0.02).to(torch.bfloat16)
+    head = (torch.randn(cfg.vocab_size, cfg.hidden_size, device=drafter_dev) * 0.02).to(torch.bfloat16)
+    with torch.device("meta"):
+        n_params = dm.DFlashDraftModel(dm.make_drafter_config(cfg, cfg.vocab_size - 1, a.draft_layers, a.block)).num_parameters()
+    report(f"drafter params: {n_params / 1e9:.3f}B")
+
+    if "step" not in skip:  # first: it compiles, and later sections reuse the compile caches
+        st = drafter_step_times(a, cfg, drafter_dev, embed, head, features_dim, report)
+        results["drafter"] = st
+        for k, v in st.items():
+            report(f"  drafter {k}: {tokens / v['step_s']:,.0f} tokens/s, MFU {d_flops / v['step_s'] / PEAK_FLOPS:.1%}")
+        if "eager" in st and "graph" in st:
+            report(f"  compiled+graph vs eager: {st['eager']['step_s'] / st['graph']['step_s']:.2f}x; "
+                   f"compiled vs eager {st['eager']['step_s'] / st['compiled']['step_s']:.2f}x")
+    if "target" not in skip:
+        tt = target_batch_times(a, replica, report)
+        results["target"] = tt
+        for k, t in tt.items():
+            report(f"  target {k}: {tokens / t:,.0f} tokens/s, MFU {t_flops * tokens / t / PEAK_FLOPS:.1%}")
+    if "scaling" not in skip and n_gpu >= 2:
+        sc = drafter_threads_scaling(a, cfg, ["cuda:0", "cuda:1"], embed, head, features_dim, report, 30)
+        results["scaling"] = sc
+        report(f"  2 drafter threads vs 1: {sc[2] / sc[1]:.2f}x")
+    if "beside" not in skip:
+        results["beside"] = drafter_beside_target(a, cfg, replica, drafter_dev, embed, head, features_dim, report, 20)
+    if "pipeline" not in skip:
+        pipe = {}
+        for compile in (False, True):
+            tok_s, rec = pipeline_throughput(a, cfg, [replica], [drafter_dev], embed, head, compile, report)
+            pipe["graph" if compile else "eager"] = tok_s
+            mfu = tok_s * (t_flops + d_flops / tokens) / (PEAK_FLOPS * (2 if n_gpu >= 2 else 1))
+            report(f"  pipeline {'compiled' if compile else 'eager'}: MFU overall {mfu:.1%} "
+                   f"(target + drafter useful FLOPs over {2 if n_gpu >= 2 else 1} GPU peak)")
+        report(f"  pipeline compiled+graph vs eager: {pipe['graph'] / pipe['eager']:.2f}x")
+        results["pipeline"] = pipe
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump({"results": results, "lines": lines}, f, indent=1, default=str)
+
+
+if __name__ == "__main__":
+    main()

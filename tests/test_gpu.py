@@ -1,0 +1,123 @@
+"""GPU-only checks of the compiled, CUDA-graphed drafter step (skipped without CUDA)."""
+import types
+
+import pytest
+import torch
+
+import dflash_model as dm
+import train_dflash_pipeline as tp
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+
+ROWS, LENGTH = 2, 512
+
+
+def small_target_config():
+    from transformers import Qwen3Config
+    return Qwen3Config(vocab_size=32000, hidden_size=1024, intermediate_size=3072, num_hidden_layers=8,
+                       num_attention_heads=8, num_key_value_heads=4, head_dim=128)
+
+
+def make_worker(compile, seed=0, device="cuda:0", rank=0, averager=None):
+    args = tp.build_parser().parse_args(["--max-length", str(LENGTH), "--token-budget", str(ROWS * LENGTH),
+                                         "--num-anchors", "64", "--num-draft-layers", "2", "--lr", "3e-4"]
+                                        + (["--compile"] if compile else []))
+    tc = small_target_config()
+    args.layer_ids, args.attention = dm.default_target_layer_ids(8, 2), "flex"
+    torch.manual_seed(seed)
+    cfg = dm.make_drafter_config(tc, mask_token_id=31999, num_draft_layers=2, block_size=16)
+    drafter = dm.DFlashDraftModel(cfg).to(device).train()
+    g = torch.Generator().manual_seed(99)
+    drafter.embed_weight = (torch.randn(32000, 1024, generator=g) * 0.02).to(device, torch.bfloat16)
+    drafter.lm_head_weight = (torch.randn(32000, 1024, generator=g) * 0.02).to(device, torch.bfloat16)
+    run = types.SimpleNamespace(lr_at=lambda step: 3e-4 * min(1.0, step / 5), features_dim=2 * 1024,
+                                log=print, resumed=False)
+    w = tp.DrafterWorker(rank, torch.device(device), drafter, args, averager or tp.GradAverager(1), run)
+    return w
+
+
+def batches(n, device="cuda:0", seed=5):
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(n):
+        doc = torch.zeros(ROWS, LENGTH, dtype=torch.long)
+        doc[:, LENGTH // 3:] = 1
+        doc[:, -20:] = -1
+        pos = torch.cat([torch.arange(LENGTH // 3), torch.arange(LENGTH - LENGTH // 3)]).repeat(ROWS, 1)
+        out.append({"features": torch.randn(ROWS, LENGTH, 2048, generator=g).to(device, torch.bfloat16),
+                    "input_ids": torch.randint(0, 32000, (ROWS, LENGTH), generator=g).to(device),
+                    "loss_mask": (torch.rand(ROWS, LENGTH, generator=g) > 0.3).float().to(device),
+                    "doc_ids": doc.to(device), "position_ids": pos.to(device)})
+    return out
+
+
+def run_steps(worker, data):
+    losses = []
+    with torch.cuda.stream(worker.stream):
+        for step, b in enumerate(data, 1):
+            loss, stats = worker.train_step(step, b)
+            losses.append(loss)
+        torch.cuda.synchronize()
+    return torch.stack(losses).float().cpu()
+
+
+def test_graph_replay_equals_compiled_step():
+    data = batches(20)
+    compiled = make_worker(compile=True)
+    graphed = make_worker(compile=True)
+    with torch.cuda.stream(graphed.stream):
+        graphed.capture(ROWS, 2048)
+    a, b = run_steps(compiled, data), run_steps(graphed, data)
+    assert torch.isfinite(a).all()
+    assert torch.equal(a, b), (a, b)
+    for p, q in zip(compiled.drafter.parameters(), graphed.drafter.parameters()):
+        assert torch.equal(p, q)
+
+
+def test_eager_and_compiled_agree_over_50_steps():
+    data = batches(50)
+    eager = make_worker(compile=False)
+    graphed = make_worker(compile=True)
+    with torch.cuda.stream(graphed.stream):
+        graphed.capture(ROWS, 2048)
+    a, b = run_steps(eager, data), run_steps(graphed, data)
+    rel = ((a - b).abs() / a.abs()).max()
+    assert rel < 2e-2, (rel, a, b)
+    assert a[-10:].mean() < a[:10].mean()
+
+
+def test_peak_memory_flat_over_500_steps():
+    w = make_worker(compile=True)
+    with torch.cuda.stream(w.stream):
+        w.capture(ROWS, 2048)
+    data = batches(4)
+    run_steps(w, data * 5)
+    torch.cuda.reset_peak_memory_stats()
+    run_steps(w, data * 5)
+    after_warmup = torch.cuda.max_memory_allocated()
+    run_steps(w, data * 120)
+    assert torch.cuda.max_memory_allocated() <= after_warmup * 1.001
+
+
+@pytest.mark.parametrize("layout", ["shared", "one_target_two_drafters", "one_plus_one"])
+def test_pipeline_compiled_end_to_end(tmp_path, tiny_model_dir, layout):
+    import json
+    import os
+    from test_pipeline import chat_rows
+    from conftest import write_jsonl
+    n = torch.cuda.device_count()
+    t, d = {"shared": ("0", "0"), "one_target_two_drafters": ("0", "0,0" if n < 2 else "1,1"),
+            "one_plus_one": ("0", "1")}[layout]
+    if layout == "one_plus_one" and n < 2:
+        pytest.skip("needs 2 GPUs")
+    data = write_jsonl(tmp_path / "d.jsonl", chat_rows(80))
+    rc = tp.main(["--target-model", tiny_model_dir, "--data", data, "--output-dir", str(tmp_path / "o"),
+                  "--cache-dir", str(tmp_path / "c"), "--max-length", "128", "--token-budget", "512",
+                  "--num-anchors", "16", "--block-size", "4", "--num-draft-layers", "2", "--max-steps", "20",
+                  "--log-interval", "5", "--lr", "1e-2", "--target-gpus", t, "--drafter-gpus", d, "--compile",
+                  "--eval-prompts", "0"])
+    assert rc == 0
+    with open(tmp_path / "o" / "metrics.jsonl") as f:
+        m = [json.loads(l) for l in f]
+    assert m[-1]["loss"] < m[0]["loss"]
+    assert os.path.exists(tmp_path / "o" / "final" / "model.safetensors")
