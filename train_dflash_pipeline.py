@@ -1091,8 +1091,9 @@ def main(argv=None):
         return 2
 
 
-def train(args):
-    # Settings first: refuse what cannot work before any model loads.
+def resolve_settings(args):
+    """Check every setting and resolve the layout and target layers, before any model loads.
+    Returns (target devices, drafter devices, target text config)."""
     check_args(args)
     target_devices, drafter_devices = resolve_layout(args)
     if args.compile and any(d.type != "cuda" for d in drafter_devices):
@@ -1106,6 +1107,10 @@ def train(args):
     if not all(0 <= i < tc.num_hidden_layers for i in args.layer_ids):
         raise UsageError(f"--target-layer-ids {args.layer_ids}: each must lie in [0, {tc.num_hidden_layers})")
     args.attention = "flex" if drafter_devices[0].type == "cuda" else "sdpa"
+    return target_devices, drafter_devices, tc
+
+
+def open_log(args):
     os.makedirs(args.output_dir, exist_ok=True)
     log_file = open(os.path.join(args.output_dir, "train.log"), "a")
 
@@ -1114,15 +1119,24 @@ def train(args):
         print(line, flush=True)
         log_file.write(line + "\n")
         log_file.flush()
+    return log_file, log
 
-    # Data
+
+def prepare_data(args, tc, log):
+    """Tokeniser, tokenised corpus (cached) and the fixed-shape batch stream."""
     tokenizer = load_tokenizer(args.target_model)
     corpus = load_corpus(resolve_data_paths(args.data), tokenizer, args.max_length, tc.vocab_size,
                          args.cache_dir, log)
     if args.mask_token_id is None:
         args.mask_token_id = default_mask_token_id(tokenizer, tc.vocab_size, corpus)
+    return tokenizer, corpus, BatchStream(corpus, args.token_budget // args.max_length, args.max_length, args.seed)
+
+
+def train(args):
+    target_devices, drafter_devices, tc = resolve_settings(args)
+    log_file, log = open_log(args)
+    tokenizer, corpus, stream = prepare_data(args, tc, log)
     rows_per_batch = args.token_budget // args.max_length
-    stream = BatchStream(corpus, rows_per_batch, args.max_length, args.seed)
     W = len(drafter_devices)
     total_steps = args.max_steps or max(1, int(args.epochs * stream.batches_per_epoch) // W)
     warmup_steps = math.ceil(args.warmup_ratio * total_steps)
@@ -1134,7 +1148,7 @@ def train(args):
 
     # Models
     replicas, embed, head = load_target(args.target_model, target_devices, args.layer_ids, log)
-    drafters = build_drafters(args, target_config, drafter_devices, embed, head, log)
+    drafters = build_drafters(args, tc, drafter_devices, embed, head, log)
 
     # Resume
     start_step, state = 0, None

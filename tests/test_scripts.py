@@ -1,0 +1,158 @@
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import dflash_model as dm
+from conftest import tiny_target, tiny_tokenizer, write_jsonl
+from scripts import eval_acceptance as ev
+from scripts import regenerate_data as rg
+from test_pipeline import ROOT, chat_rows
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    target = tiny_target(dtype=torch.float32, init_std=0.15, vocab=128)
+    tok = tiny_tokenizer()
+    torch.manual_seed(0)
+    cfg = dm.make_drafter_config(target.config, mask_token_id=127, num_draft_layers=1, block_size=4)
+    drafter = dm.DFlashDraftModel(cfg).attach_target(target).eval()
+    return target, tok, drafter
+
+
+PROMPTS = [("a", ["the cat sat"]), ("b", ["a dog ran", "then what"]), ("a", ["see the mat"])]
+
+
+def oracle(drafter, target, tok, correct):
+    """draft_logits that are right (the target's own greedy next tokens) or always wrong."""
+    def draft_logits(ctx_kv, anchor_token, anchor_position):
+        logits = dm.DFlashDraftModel.draft_logits(drafter, ctx_kv, anchor_token, anchor_position)
+        truth = oracle.truth
+        for k in range(logits.shape[1]):
+            i = int(anchor_position) + 1 + k - oracle.prompt_len
+            want = truth[i] if 0 <= i < len(truth) else 0
+            pick = want if correct else (want + 1) % logits.shape[-1]
+            logits[0, k] = 0
+            logits[0, k, pick] = 1
+        return logits
+    return draft_logits
+
+
+def run_with_oracle(models, correct, monkeypatch):
+    target, tok, drafter = models
+    real_spec = dm.DFlashDraftModel.spec_generate
+
+    def spec(self, target_, ids, max_new, stop=()):
+        oracle.truth = dm.greedy_generate(target_, ids, max_new, stop)
+        oracle.prompt_len = ids.shape[1]
+        self.draft_logits = oracle(drafter, target, tok, correct)
+        try:
+            return real_spec(self, target_, ids, max_new, stop)
+        finally:
+            del self.draft_logits
+    monkeypatch.setattr(dm.DFlashDraftModel, "spec_generate", spec)
+    return ev.evaluate_models(target, tok, drafter, PROMPTS, "cpu", 21, log=lambda *a: None)
+
+
+def test_acceptance_of_perfect_drafter(models, monkeypatch):
+    r = run_with_oracle(models, True, monkeypatch)
+    assert r["lossless"]
+    # every block accepts all bs-1 drafts + the bonus token, except where generation ends
+    hist = {int(k): v for k, v in r["histogram"].items()}
+    assert max(hist) == 4 and hist[4] >= sum(hist.values()) - 4
+    assert r["acceptance_length"] > 3.5
+    assert set(r["per_category"]) == {"a", "b"}
+
+
+def test_acceptance_of_drafter_that_is_never_right(models, monkeypatch):
+    r = run_with_oracle(models, False, monkeypatch)
+    assert r["lossless"]
+    assert r["histogram"] == {"1": r["histogram"]["1"]} and r["acceptance_length"] == 1.0
+    assert abs(r["tokens_per_target_forward"] - r["generated_tokens"] / (r["generated_tokens"] + 4)) < 0.2
+
+
+def test_lossless_check_fires(models, monkeypatch):
+    target, tok, drafter = models
+    real = dm.DFlashDraftModel.spec_generate
+
+    def corrupt(self, *a, **k):
+        out, acc = real(self, *a, **k)
+        return [out[0] + 1] + out[1:], acc
+    monkeypatch.setattr(dm.DFlashDraftModel, "spec_generate", corrupt)
+    r = ev.evaluate_models(target, tok, drafter, PROMPTS[:1], "cpu", 8, log=lambda *a: None)
+    assert not r["lossless"] and r["mismatches"][0]["first_difference_at"] == 0
+
+
+def test_eval_cli_writes_report_and_fails_loudly(tmp_path, tiny_model_dir, monkeypatch):
+    from transformers import AutoModelForCausalLM
+    target = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    cfg = dm.make_drafter_config(target.config, mask_token_id=127, num_draft_layers=1, block_size=4)
+    dm.DFlashDraftModel(cfg).save_pretrained(tmp_path / "drafter")
+    prompts = write_jsonl(tmp_path / "p.jsonl", [{"prompt": "the cat", "category": "x"},
+                                                 {"turns": ["a dog", "and"], "category": "y"}])
+    rc = ev.main(["--target-model", tiny_model_dir, "--drafter", str(tmp_path / "drafter"), "--prompts", prompts,
+                  "--device", "cpu", "--max-new-tokens", "10"])
+    assert rc == 0
+    report = json.loads((tmp_path / "drafter" / "eval_acceptance.json").read_text())
+    assert report["lossless"] and report["prompts"] == 2 and set(report["per_category"]) == {"x", "y"}
+    real = dm.DFlashDraftModel.spec_generate
+    monkeypatch.setattr(dm.DFlashDraftModel, "spec_generate",
+                        lambda self, *a, **k: (lambda o: ([o[0][0] + 1] + o[0][1:], o[1]))(real(self, *a, **k)))
+    assert ev.main(["--target-model", tiny_model_dir, "--drafter", str(tmp_path / "drafter"), "--prompts", prompts,
+                    "--device", "cpu", "--max-new-tokens", "10"]) == 1
+
+
+def test_regenerate_resumes_without_duplicates(tmp_path, tiny_model_dir):
+    rows = chat_rows(7) + ["{broken"]
+    src = write_jsonl(tmp_path / "in.jsonl", rows)
+    out = tmp_path / "out.jsonl"
+    # a previous, interrupted run finished rows 1 and 3 and was killed mid-line
+    out.write_text(json.dumps({"id": 1, "messages": []}) + "\n" + json.dumps({"id": 3, "messages": []}) + "\n{\"id\": 5, \"mes")
+    rc = rg.main(["--target-model", tiny_model_dir, "--input", src, "--output", str(out), "--gpus", "cpu",
+                  "--batch-size", "3", "--max-new-tokens", "5"])
+    assert rc == 0
+    ids = []
+    for line in out.read_text().splitlines():
+        try:
+            ids.append(json.loads(line)["id"])
+        except json.JSONDecodeError:
+            pass
+    assert sorted(ids) == [1, 2, 3, 4, 5, 6, 7]
+    row = [json.loads(l) for l in out.read_text().splitlines()[2:]][0]
+    roles = [m["role"] for m in row["messages"]]
+    assert roles == ["user", "assistant"] and row["messages"][1]["content"] is not None
+    rc = rg.main(["--target-model", tiny_model_dir, "--input", src, "--output", str(out), "--gpus", "cpu"])
+    assert rc == 0 and len(out.read_text().splitlines()) == 7  # nothing added the second time
+
+
+def smoke(tmp_path, model_dir, *extra):
+    data = write_jsonl(tmp_path / "d.jsonl", chat_rows(60))
+    cmd = [sys.executable, os.path.join(ROOT, "scripts", "smoke_test.py"), "--target-model", model_dir, "--data", data,
+           "--cache-dir", str(tmp_path / "c"), "--max-length", "128", "--token-budget", "256", "--num-anchors", "16",
+           "--block-size", "4", "--num-draft-layers", "2", "--lr", "1e-2", "--target-gpus", "cpu",
+           "--drafter-gpus", "cpu,cpu", *extra]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT)
+
+
+def test_smoke_test_passes(tmp_path, tiny_model_dir):
+    r = smoke(tmp_path, tiny_model_dir)
+    assert r.returncode == 0, r.stdout + r.stderr
+    for name in ("data reads and tokenises", "target loads on every target device", "drafter builds",
+                 "steps run", "loss finite and falling", "checkpoint saves and loads back", "tokens/s"):
+        assert f"[ ok ] {name}" in r.stdout, name
+    assert "smoke test summary" in r.stdout
+
+
+def test_smoke_test_stops_at_first_failure(tmp_path, tiny_model_dir):
+    r = smoke(tmp_path, tiny_model_dir, "--fault-inject-step", "3")
+    assert r.returncode == 1
+    assert "[FAIL] steps run" in r.stdout and "fault injected at step 3" in r.stdout
+    assert "loss finite" not in r.stdout.split("[FAIL]")[1].split("smoke test summary")[0]
+
+
+def test_smoke_test_time_box(tmp_path, tiny_model_dir):
+    r = smoke(tmp_path, tiny_model_dir, "--time-limit", "3", "--smoke-steps", "100000")
+    assert r.returncode == 3 and "time limit" in r.stdout
