@@ -663,11 +663,21 @@ class DrafterWorker:
             self.capture(a.token_budget // a.max_length, self.run.features_dim)
         except torch.cuda.OutOfMemoryError:
             self.graphs = self.static = None
-            fits, per_row = budget_that_fits(self.device, a.token_budget, a.max_length,
-                                             lambda: self.forward_backward(self.synthetic_inputs(1, self.run.features_dim)))
-            raise RuntimeError(f"--token-budget {a.token_budget} does not fit the drafter step on {self.device} "
-                               f"({per_row / 2**30:.1f} GB per row of {a.max_length}); the largest that fits is "
-                               f"about --token-budget {fits}") from None
+            self.explain_oom()
+
+    def first_eager_step(self, step, batch):
+        try:
+            return self.train_step(step, batch)
+        except torch.cuda.OutOfMemoryError:
+            self.explain_oom()
+
+    def explain_oom(self):
+        a = self.args
+        fits, per_row = budget_that_fits(self.device, a.token_budget, a.max_length,
+                                         lambda: self.forward_backward(self.synthetic_inputs(1, self.run.features_dim)))
+        raise RuntimeError(f"--token-budget {a.token_budget} does not fit the drafter step on {self.device} "
+                           f"({per_row / 2**30:.1f} GB per row of {a.max_length}); the largest that fits is "
+                           f"about --token-budget {fits}") from None
 
     # --- compile and capture (at start-up, under COMPILE_LOCK, before the target streams) ------
 
@@ -752,7 +762,7 @@ class DrafterWorker:
                 raise RuntimeError(f"fault injected at step {step}")
             if step == self.run.start_step + 1 and self.device.type == "cuda" and not self.args.compile:
                 with COMPILE_LOCK:  # the first eager step compiles flex_attention
-                    loss, stats = self.train_step(step, batch)
+                    loss, stats = self.first_eager_step(step, batch)
             else:
                 loss, stats = self.train_step(step, batch)
             self.stats = stats if self.stats is None else self.stats + stats

@@ -51,6 +51,13 @@ def batches(n, device="cuda:0", seed=5):
     return out
 
 
+def captured_worker():
+    w = make_worker(compile=True)
+    with torch.cuda.stream(w.stream):
+        w.capture(ROWS, 2048)
+    return w
+
+
 def run_steps(worker, data):
     losses = []
     with torch.cuda.stream(worker.stream):
@@ -64,9 +71,7 @@ def run_steps(worker, data):
 def test_graph_replay_equals_compiled_step():
     data = batches(20)
     compiled = make_worker(compile=True)
-    graphed = make_worker(compile=True)
-    with torch.cuda.stream(graphed.stream):
-        graphed.capture(ROWS, 2048)
+    graphed = captured_worker()
     a, b = run_steps(compiled, data), run_steps(graphed, data)
     assert torch.isfinite(a).all()
     assert torch.equal(a, b), (a, b)
@@ -77,9 +82,7 @@ def test_graph_replay_equals_compiled_step():
 def test_eager_and_compiled_agree_over_50_steps():
     data = batches(50)
     eager = make_worker(compile=False)
-    graphed = make_worker(compile=True)
-    with torch.cuda.stream(graphed.stream):
-        graphed.capture(ROWS, 2048)
+    graphed = captured_worker()
     a, b = run_steps(eager, data), run_steps(graphed, data)
     rel = ((a - b).abs() / a.abs()).max()
     assert rel < 2e-2, (rel, a, b)
@@ -87,9 +90,7 @@ def test_eager_and_compiled_agree_over_50_steps():
 
 
 def test_peak_memory_flat_over_500_steps():
-    w = make_worker(compile=True)
-    with torch.cuda.stream(w.stream):
-        w.capture(ROWS, 2048)
+    w = captured_worker()
     data = batches(4)
     run_steps(w, data * 5)
     torch.cuda.reset_peak_memory_stats()
