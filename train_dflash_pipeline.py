@@ -75,6 +75,8 @@ def build_parser():
     a("--cache-dir", default=os.path.join(os.path.expanduser("~"), ".cache", "dflash_train"))
     a("--eval-data", default=None, help="held-out prompts (JSONL) for the final acceptance-length measurement; "
       "the built-in demo uses MT-Bench")
+    a("--eval-interval", type=int, default=0,
+      help="every N steps, measure the real acceptance length on the held-out prompts and log it next to tau_hat")
     a("--eval-prompts", type=int, default=8, help="how many held-out prompts to evaluate at the end (0: none)")
     a("--eval-max-new-tokens", type=int, default=64)
     a("--fault-inject-step", type=int, default=None, help=argparse.SUPPRESS)  # tests: a worker raises here
@@ -855,6 +857,7 @@ class Run:
         self.last_log = (time.perf_counter(), start_step)
         self.target_clock, self.target_batches, self.target_batches_logged = StageClock(), 0, 0
         self.target_seconds_logged = 0.0
+        self.eval_prompts, self.tokenizer, self.eval_target = [], None, None  # for --eval-interval
 
     def lr_at(self, step):
         return lr_at(step, self.total_steps, self.warmup_steps, self.args.lr)
@@ -879,7 +882,8 @@ class Run:
         if worker.rank == 0 and self.pbar is not None:
             self.pbar.update(1)
         a = self.args
-        due_log = step % a.log_interval == 0 or step == self.total_steps
+        due_eval = bool(a.eval_interval) and step % a.eval_interval == 0 and bool(self.eval_prompts)
+        due_log = step % a.log_interval == 0 or step == self.total_steps or due_eval
         due_save = step % a.save_interval == 0 or step == self.total_steps
         if not (due_log or due_save):
             return
@@ -893,7 +897,9 @@ class Run:
             del self.reported[step]
         self.check_finite(step)
         if due_log:
-            self.write_metrics(step)
+            rec = self.write_metrics(step)
+        if due_eval:
+            self.evaluate_now(step, rec["tau_hat"])
         if due_save:
             self.log(f"checkpoint: {save_checkpoint(a.output_dir, step, self.workers[0], step * len(self.workers), a)}")
 
@@ -942,6 +948,31 @@ class Run:
                  f"{rec['drafter_steps_per_s']:.2f} step/s | queues {rec['queue_depths']} | loss {m['loss']:.4f} "
                  f"acc {m['acc_mean']:.3f} tau {m['tau_hat']:.2f} | lr {rec['lr']:.2e} gnorm {rec['grad_norm']:.3f}"
                  + (f" | peak GB {rec['peak_mem_gb']}" if rec["peak_mem_gb"] else ""))
+        return rec
+
+    def evaluate_now(self, step, tau_hat):
+        """The real acceptance length of the current drafter (lossless speculative decoding on
+        held-out prompts) next to the training estimate tau_hat of the last log interval."""
+        from scripts.eval_acceptance import evaluate_models
+        w = self.workers[0]
+        if self.eval_target is None:
+            from transformers import AutoModelForCausalLM
+            dtype = torch.bfloat16 if w.device.type == "cuda" else torch.float32
+            self.eval_target = AutoModelForCausalLM.from_pretrained(
+                resolve_model_path(self.args.target_model), dtype=dtype).to(w.device).eval()
+        w.drafter.eval()
+        try:
+            report = evaluate_models(self.eval_target, self.tokenizer, w.drafter, self.eval_prompts, w.device,
+                                     self.args.eval_max_new_tokens, log=lambda m: None)
+        finally:
+            w.drafter.train()
+        measured = report["acceptance_length"]
+        self.log(f"eval step {step}: acceptance length {measured:.3f} measured on {len(self.eval_prompts)} held-out "
+                 f"prompts vs tau_hat {tau_hat:.3f} estimated in training ({(tau_hat - measured) / measured:+.1%}); "
+                 f"lossless {report['lossless']}")
+        self.metrics_file.write(json.dumps({"step": step, "eval_acceptance_length": measured, "tau_hat": tau_hat,
+                                            "eval_lossless": report["lossless"]}) + "\n")
+        self.metrics_file.flush()
 
 
 # -----------------------------------------------------------------------------
@@ -1178,6 +1209,11 @@ def train(args):
         log(f"nothing to do: already at step {start_step} of {total_steps}")
         return 0
     run = Run(args, total_steps, warmup_steps, start_step, stream, target_devices + drafter_devices, log_file)
+    if args.eval_interval:
+        from scripts.eval_acceptance import heldout_prompts
+        run.tokenizer, run.eval_prompts = tokenizer, heldout_prompts(args, tokenizer, args.eval_prompts)
+        if not run.eval_prompts:
+            log("eval: --eval-interval needs held-out prompts (--eval-data); none, so no evaluation")
     run_pipeline(run, replicas, drafters, drafter_devices, state["optimizer"] if state else None)
     if run.errors:
         for where, tb in run.errors:

@@ -252,6 +252,43 @@ def drafter_beside_target(a, cfg, replica, drafter_device, embed, head, features
     return out
 
 
+def ce_peak_memory(positions, hidden, vocab, chunk, device):
+    """Peak memory (bytes) of the LM head + cross-entropy, forward and backward, for one chunk size
+    (chunk = positions: the unchunked computation). On CPU: the child process's peak RSS."""
+    code = f"""
+import resource, torch, sys
+sys.path.insert(0, {os.path.dirname(os.path.dirname(os.path.abspath(__file__)))!r})
+import dflash_model as dm
+dev = {device!r}
+h = torch.randn({positions}, {hidden}, device=dev, dtype=torch.bfloat16, requires_grad=True)
+w = torch.randn({vocab}, {hidden}, device=dev, dtype=torch.bfloat16) * 0.02
+lab = torch.randint(0, {vocab}, ({positions},), device=dev)
+if dev.startswith("cuda"):
+    torch.cuda.reset_peak_memory_stats(); base = torch.cuda.memory_allocated()
+ce, _ = dm.ChunkedLMHeadCE.apply(h, w, lab, {chunk})
+ce.mean().backward()
+if dev.startswith("cuda"):
+    print(torch.cuda.max_memory_allocated() - base)
+else:
+    print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
+"""
+    import subprocess
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    return int(out.stdout.split()[-1])
+
+
+def ce_memory_table(a, report):
+    device = "cuda:0" if torch.cuda.is_available() else "cpu"
+    P, H, V = a.ce_positions, a.ce_hidden, a.ce_vocab
+    report(f"LM head + CE peak memory, {P} draft positions, hidden {H}, vocab {V}, bf16, on {device}"
+           + (" (peak RSS of a child process, includes the interpreter and torch)" if device == "cpu" else ""))
+    for chunk in sorted({512, 2048, 4096, 8192, P}):
+        if chunk > P:
+            continue
+        peak = ce_peak_memory(P, H, V, chunk, device)
+        report(f"  chunk {chunk:6d}{' (unchunked)' if chunk == P else '':12s}: {peak / 2**30:6.2f} GB")
+
+
 class SyntheticStream:
     """Stand-in for BatchStream: a few random packed batches, cycled."""
 
@@ -312,7 +349,13 @@ def main():
     p.add_argument("--skip", default="", help="comma list of sections to skip: step,target,scaling,beside,pipeline")
     p.add_argument("--output-dir", default="/tmp/dflash_bench")
     p.add_argument("--json", default=None, help="write all results here")
+    p.add_argument("--ce-memory", action="store_true", help="only the LM-head/CE peak memory per chunk size (CPU or GPU)")
+    p.add_argument("--ce-positions", type=int, default=16384)
+    p.add_argument("--ce-hidden", type=int, default=4096)
+    p.add_argument("--ce-vocab", type=int, default=151936)
     a = p.parse_args()
+    if a.ce_memory:
+        return ce_memory_table(a, print)
     n_gpu = torch.cuda.device_count()
     if n_gpu == 0:
         raise SystemExit("benchmark.py needs a CUDA GPU")

@@ -60,6 +60,8 @@ def heldout_prompts(args, tokenizer, n):
         prompts = mtbench_questions()
     else:
         return []
+    if n <= 0:
+        return []
     step = max(1, len(prompts) // n)
     return [(cat, turns[:1]) for cat, turns in prompts[::step][:n]]
 

@@ -135,6 +135,7 @@ def test_mostly_bad_corpus_and_missing_file_refused(tmp_path, tiny_model_dir):
     (["--token-budget", "64"], "smaller than --max-length"),
     (["--block-size", "200"], "--block-size 200 does not fit"),
     (["--target-gpus", "0", "--drafter-gpus", "7"], "does not exist"),
+    (["--target-gpus", "cpu", "--drafter-gpus", "cpu", "--compile"], "--compile captures CUDA graphs"),
 ])
 def test_impossible_settings_refused(tmp_path, tiny_model_dir, extra, msg):
     r = run_cli(tmp_path, tiny_model_dir, "unused.jsonl", *extra)
@@ -183,3 +184,16 @@ def test_packed_documents_do_not_see_each_other(tiny_model_dir):
         torch.testing.assert_close(packed[0, at:at + len(d)], alone[0], rtol=1e-5, atol=1e-5)
         at += len(d)
     assert torch.isfinite(packed).all()
+
+
+def test_eval_interval_logs_measured_acceptance_next_to_tau_hat(tmp_path, tiny_model_dir):
+    data = write_jsonl(tmp_path / "d.jsonl", chat_rows(40))
+    prompts = write_jsonl(tmp_path / "p.jsonl", [{"prompt": "the cat sat"}, {"prompt": "a dog ran"}])
+    r = run_cli(tmp_path, tiny_model_dir, data, "--target-gpus", "cpu", "--drafter-gpus", "cpu", "--max-steps", "6",
+                "--log-interval", "3", "--eval-interval", "3", "--eval-data", prompts, "--eval-max-new-tokens", "8",
+                "--eval-prompts", "2")
+    assert r.returncode == 0, r.stderr
+    evals = [x for x in metrics(tmp_path) if "eval_acceptance_length" in x]
+    assert [x["step"] for x in evals] == [3, 6]
+    assert all(x["eval_lossless"] and x["eval_acceptance_length"] >= 1.0 for x in evals)
+    assert "acceptance length" in r.stdout and "tau_hat" in r.stdout
