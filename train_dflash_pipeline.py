@@ -191,6 +191,9 @@ def tokenize_conversation(tokenizer, messages):
 
     Assistant spans are found on the rendered text (prefix with generation prompt -> prefix with
     the reply), then mapped to tokens through the offsets, so any chat template works."""
+    if not getattr(tokenizer, "chat_template", None):
+        raise UsageError(f"{tokenizer.name_or_path}: the tokenizer has no chat template; use a chat model or "
+                         "pre-tokenised rows (input_ids + loss_mask)")
     text = render_chat(tokenizer, messages)
     spans, search_from = [], 0
     for i, m in enumerate(messages):
@@ -376,9 +379,6 @@ class BatchStream:
         real = int(corpus.lengths.sum())
         self.packing_efficiency = real / (len(first) * max_length)
 
-    def __iter__(self):
-        return self.iterate(0)
-
     def iterate(self, skip):
         epoch, k = skip // self.batches_per_epoch, skip % self.batches_per_epoch
         while True:
@@ -453,7 +453,7 @@ class TargetReplica:
         torch.cuda.synchronize(self.device)
 
 
-def budget_that_fits(device, budget, max_length, one_row_step):
+def budget_that_fits(device, max_length, one_row_step):
     """After an out-of-memory error: run one row, and scale to the memory the device has."""
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats(device)
@@ -477,7 +477,7 @@ def warm_up_target(replicas, args, log):
             else:
                 r.features(dict(zip(("input_ids", "position_ids", "doc_ids"), r.synthetic_inputs(rows, args.max_length))))
         except torch.cuda.OutOfMemoryError:
-            fits, per_row = budget_that_fits(r.device, args.token_budget, args.max_length,
+            fits, per_row = budget_that_fits(r.device, args.max_length,
                                              lambda: r.forward(*r.synthetic_inputs(1, args.max_length)))
             raise UsageError(f"--token-budget {args.token_budget} does not fit the target stage on {r.device} "
                              f"({per_row / 2**30:.1f} GB per row of {args.max_length}); the largest that fits is "
@@ -675,7 +675,7 @@ class DrafterWorker:
 
     def explain_oom(self):
         a = self.args
-        fits, per_row = budget_that_fits(self.device, a.token_budget, a.max_length,
+        fits, per_row = budget_that_fits(self.device, a.max_length,
                                          lambda: self.forward_backward(self.synthetic_inputs(1, self.run.features_dim)))
         raise RuntimeError(f"--token-budget {a.token_budget} does not fit the drafter step on {self.device} "
                            f"({per_row / 2**30:.1f} GB per row of {a.max_length}); the largest that fits is "

@@ -197,3 +197,45 @@ def test_eval_interval_logs_measured_acceptance_next_to_tau_hat(tmp_path, tiny_m
     assert [x["step"] for x in evals] == [3, 6]
     assert all(x["eval_lossless"] and x["eval_acceptance_length"] >= 1.0 for x in evals)
     assert "acceptance length" in r.stdout and "tau_hat" in r.stdout
+
+
+def test_sigterm_saves_and_exits_cleanly(tmp_path, tiny_model_dir):
+    import signal
+    data = write_jsonl(tmp_path / "d.jsonl", chat_rows(40))
+    cmd = [sys.executable, os.path.join(ROOT, "train_dflash_pipeline.py"), "--target-model", tiny_model_dir,
+           "--data", data, "--output-dir", str(tmp_path / "out"), "--cache-dir", str(tmp_path / "cache"),
+           "--max-length", "128", "--token-budget", "256", "--num-anchors", "16", "--block-size", "4",
+           "--num-draft-layers", "1", "--max-steps", "100000", "--log-interval", "1", "--save-interval", "100000",
+           "--target-gpus", "cpu", "--drafter-gpus", "cpu,cpu", "--eval-prompts", "0"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT)
+    for line in proc.stdout:
+        if "step 5/" in line:
+            proc.send_signal(signal.SIGTERM)
+            break
+    out = proc.communicate(timeout=60)[0]
+    assert proc.returncode == 0, out
+    steps = tp.checkpoint_steps(str(tmp_path / "out"))
+    assert len(steps) == 1 and steps[0] >= 5
+    assert os.path.exists(tmp_path / "out" / "final" / "model.safetensors")
+
+
+def test_non_finite_loss_stops_naming_the_step(tmp_path, tiny_model_dir, monkeypatch, capsys):
+    data = write_jsonl(tmp_path / "d.jsonl", chat_rows(40))
+    real = dm.DFlashDraftModel.forward
+    calls = []
+
+    def poisoned(self, *a, **k):
+        loss, stats = real(self, *a, **k)
+        calls.append(1)
+        return (loss * float("nan") if len(calls) == 5 else loss), stats
+    monkeypatch.setattr(dm.DFlashDraftModel, "forward", poisoned)
+    args = ["--target-model", tiny_model_dir, "--data", data, "--output-dir", str(tmp_path / "o"),
+            "--cache-dir", str(tmp_path / "c"), "--max-length", "128", "--token-budget", "256",
+            "--num-anchors", "16", "--block-size", "4", "--num-draft-layers", "1", "--max-steps", "12",
+            "--target-gpus", "cpu", "--drafter-gpus", "cpu", "--eval-prompts", "0", "--log-interval", "3",
+            "--save-interval", "3"]
+    assert tp.main(args) == 1
+    assert tp.checkpoint_steps(str(tmp_path / "o")) == [3]  # nothing saved from step 5 on
+    log = (tmp_path / "o" / "train.log").read_text()
+    assert "stopped after an error" in log
+    assert "non-finite loss at step 5" in capsys.readouterr().err
