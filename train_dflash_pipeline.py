@@ -603,7 +603,7 @@ class DrafterWorker:
         self.loss_fn = torch.compile(self.compute_loss, fullgraph=True, dynamic=False) if args.compile \
             else self.compute_loss
         self.graphs, self.static, self.static_out = None, None, None
-        self.stats, self.losses, self.steps_done, self.busy_time = None, [], 0, 0.0
+        self.stats, self.losses, self.steps_done = None, [], 0
         self.ready = threading.Event()
         self.thread = threading.Thread(target=self.main, name=f"drafter-{rank}", daemon=True)
 
@@ -659,19 +659,24 @@ class DrafterWorker:
             loss, stats, grad_norm = self.static_out
         return loss.clone(), torch.cat([stats, grad_norm.detach().float()[None]])
 
-    def capture_or_explain(self):
+    def warm_up(self):
+        """At start-up, one worker at a time (COMPILE_LOCK), before any batch streams: compile
+        flex_attention (eager) or compile and capture the whole step (--compile) at the batch
+        shape. A token budget that does not fit shows here, with the largest that does."""
         a = self.args
+        t0 = time.perf_counter()
+        self.run.log(f"drafter worker {self.rank}: " + ("compiling and capturing the step" if a.compile
+                     else "compiling flex_attention") + f" on {self.device}")
         try:
-            self.capture(a.token_budget // a.max_length, self.run.features_dim)
+            if a.compile:
+                self.capture(a.token_budget // a.max_length, self.run.features_dim)
+            else:
+                self.forward_backward(self.synthetic_inputs(a.token_budget // a.max_length, self.run.features_dim))
+                self.flat_grad.zero_()
         except torch.cuda.OutOfMemoryError:
             self.graphs = self.static = None
             self.explain_oom()
-
-    def first_eager_step(self, step, batch):
-        try:
-            return self.train_step(step, batch)
-        except torch.cuda.OutOfMemoryError:
-            self.explain_oom()
+        self.run.log(f"drafter worker {self.rank}: ready in {time.perf_counter() - t0:.0f}s")
 
     def explain_oom(self):
         a = self.args
@@ -738,12 +743,9 @@ class DrafterWorker:
     def main(self):
         try:
             with torch.cuda.stream(self.stream) if self.stream is not None else nullcontext():
-                if self.args.compile:
-                    with COMPILE_LOCK:
-                        self.run.log(f"drafter worker {self.rank}: compiling and capturing the step on {self.device}")
-                        t0 = time.perf_counter()
-                        self.capture_or_explain()
-                        self.run.log(f"drafter worker {self.rank}: captured in {time.perf_counter() - t0:.0f}s")
+                if self.device.type == "cuda":
+                    with COMPILE_LOCK:  # never held across the gradient averaging: that would deadlock
+                        self.warm_up()
                 self.ready.set()
                 self.loop()
         except threading.BrokenBarrierError:
@@ -754,7 +756,6 @@ class DrafterWorker:
     def loop(self):
         step = self.run.start_step
         while (batch := self.get_batch()) is not None:
-            t0 = time.perf_counter()
             if self.stream is not None:  # the batch was copied on another stream
                 self.stream.wait_event(batch.pop("ready"))
                 for v in batch.values():
@@ -762,15 +763,10 @@ class DrafterWorker:
             step += 1
             if self.args.fault_inject_step == step and self.rank == 0:
                 raise RuntimeError(f"fault injected at step {step}")
-            if step == self.run.start_step + 1 and self.device.type == "cuda" and not self.args.compile:
-                with COMPILE_LOCK:  # the first eager step compiles flex_attention
-                    loss, stats = self.first_eager_step(step, batch)
-            else:
-                loss, stats = self.train_step(step, batch)
+            loss, stats = self.train_step(step, batch)
             self.stats = stats if self.stats is None else self.stats + stats
             self.losses.append(loss)
             self.steps_done = step
-            self.busy_time += time.perf_counter() - t0
             self.run.step_done(self, step)
 
 # -----------------------------------------------------------------------------
