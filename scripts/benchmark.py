@@ -345,6 +345,8 @@ def main():
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--pipeline-steps", type=int, default=40)
     p.add_argument("--log-interval", type=int, default=10)
+    p.add_argument("--target-gpus", default=None, help="GPU indices of the target stage (pipeline section), e.g. 0,1,2,3,4,5")
+    p.add_argument("--drafter-gpus", default=None, help="GPU indices of the drafter workers (pipeline section), e.g. 6,7")
     p.add_argument("--step-modes", default="eager,compiled", help="drafter step section: eager, compiled (then graph)")
     p.add_argument("--skip", default="", help="comma list of sections to skip: step,target,scaling,beside,pipeline")
     p.add_argument("--output-dir", default="/tmp/dflash_bench")
@@ -365,8 +367,12 @@ def main():
     from transformers import Qwen3Config
     cfg = Qwen3Config(**PRESETS[a.preset])
     layer_ids = dm.default_target_layer_ids(cfg.num_hidden_layers, a.draft_layers)
-    target_dev = "cuda:0"
-    drafter_dev = "cuda:1" if n_gpu >= 2 else "cuda:0"
+    # The pipeline section uses every listed GPU (e.g. 6+2: --target-gpus 0,1,2,3,4,5 --drafter-gpus 6,7);
+    # the single-stage sections use the first of each.
+    target_devs = [f"cuda:{i}" for i in (a.target_gpus or "0").split(",")]
+    drafter_devs = [f"cuda:{i}" for i in (a.drafter_gpus or ("1" if n_gpu >= 2 else "0")).split(",")]
+    target_dev, drafter_dev = target_devs[0], drafter_devs[0]
+    n_used = len(set(target_devs + drafter_devs))
     features_dim = len(layer_ids) * cfg.hidden_size
     lines = []
 
@@ -376,7 +382,7 @@ def main():
 
     report(f"# {time.strftime('%Y-%m-%d %H:%M')} {torch.cuda.get_device_name(0)} x{n_gpu}, torch {torch.__version__}")
     report(f"preset {a.preset}: batch {a.rows} x {a.max_length} tokens, {a.anchors} anchors/row x block {a.block}, "
-           f"{a.draft_layers} draft layers, target layers {layer_ids}; target on {target_dev}, drafter on {drafter_dev}")
+           f"{a.draft_layers} draft layers, target layers {layer_ids}; target on {target_devs}, drafter on {drafter_devs}")
     report(f"FLOPs: {FORMULA}")
     results = {"preset": a.preset, "rows": a.rows, "max_length": a.max_length}
     t_flops = target_flops_per_token(cfg, max(layer_ids) + 1)
@@ -412,13 +418,16 @@ def main():
     if "beside" not in skip:
         results["beside"] = drafter_beside_target(a, cfg, replica, drafter_dev, embed, head, features_dim, report, 20)
     if "pipeline" not in skip:
+        replicas = [replica] + [build_target(cfg, d, layer_ids) for d in target_devs[1:]]
         pipe = {}
         for compile in (False, True):
-            tok_s, rec = pipeline_throughput(a, cfg, [replica], [drafter_dev], embed, head, compile, report)
+            tok_s, rec = pipeline_throughput(a, cfg, replicas, drafter_devs, embed, head, compile, report)
             pipe["graph" if compile else "eager"] = tok_s
-            mfu = tok_s * (t_flops + d_flops / tokens) / (PEAK_FLOPS * (2 if n_gpu >= 2 else 1))
+            mfu = tok_s * (t_flops + d_flops / tokens) / (PEAK_FLOPS * n_used)
             report(f"  pipeline {'compiled' if compile else 'eager'}: MFU overall {mfu:.1%} "
-                   f"(target + drafter useful FLOPs over {2 if n_gpu >= 2 else 1} GPU peak)")
+                   f"(target + drafter useful FLOPs over {n_used} GPU(s) peak); target stage "
+                   f"{tok_s * t_flops / (PEAK_FLOPS * len(target_devs)):.1%}, drafter stage "
+                   f"{tok_s * d_flops / tokens / (PEAK_FLOPS * len(drafter_devs)):.1%}")
         report(f"  pipeline compiled+graph vs eager: {pipe['graph'] / pipe['eager']:.2f}x")
         results["pipeline"] = pipe
     if a.json:
