@@ -963,11 +963,13 @@ class Run:
         finally:
             w.drafter.train()
         measured = report["acceptance_length"]
+        tf = report["teacher_forced_tau_hat"]
         self.log(f"eval step {step}: acceptance length {measured:.3f} measured on {len(self.eval_prompts)} held-out "
                  f"prompts vs tau_hat {tau_hat:.3f} estimated in training ({(tau_hat - measured) / measured:+.1%}); "
+                 f"tau_hat on the target's own outputs for those prompts {tf:.3f} ({(tf - measured) / measured:+.1%}); "
                  f"lossless {report['lossless']}")
         self.metrics_file.write(json.dumps({"step": step, "eval_acceptance_length": measured, "tau_hat": tau_hat,
-                                            "eval_lossless": report["lossless"]}) + "\n")
+                                            "teacher_forced_tau_hat": tf, "eval_lossless": report["lossless"]}) + "\n")
         self.metrics_file.flush()
 
 

@@ -95,6 +95,27 @@ def sync(device):
         torch.cuda.synchronize(device)
 
 
+@torch.no_grad()
+def teacher_forced_tau(target, drafter, prompt_ids, generated):
+    """tau_hat as training computes it (1 + leading correct slots per block, teacher-forced),
+    but on the target's own greedy continuation, with an anchor at every generated position.
+    Returns (sum of tau over blocks, blocks). Equal in expectation to the real acceptance
+    length; a gap between it and the training tau_hat is a gap between the data and the
+    target's own outputs."""
+    ids = torch.cat([prompt_ids[0], torch.tensor(generated, device=prompt_ids.device)])[None]
+    P, L = prompt_ids.shape[1], ids.shape[1]
+    if L - P < 2:
+        return 0.0, 0
+    with dm.capture_layer_outputs(target, drafter.target_layer_ids) as feats:
+        target(ids)
+    loss_mask = torch.zeros(1, L, device=ids.device)
+    loss_mask[0, P:] = 1
+    _, stats = drafter(torch.cat(feats, -1).to(drafter.fc.weight.dtype), ids, loss_mask,
+                       torch.zeros_like(ids), torch.arange(L, device=ids.device)[None],
+                       torch.rand(1, L, device=ids.device), num_anchors=L - P - 1, attention="sdpa")
+    return float(stats[1]), int(stats[2])
+
+
 def evaluate_models(target, tokenizer, drafter, prompts, device, max_new_tokens, log=print):
     """Speculative vs greedy decoding on each prompt (multi-turn: each turn continues the
     conversation with the generated answer). Returns the report dict."""
@@ -102,6 +123,7 @@ def evaluate_models(target, tokenizer, drafter, prompts, device, max_new_tokens,
     per_cat, hist, mismatches = defaultdict(list), Counter(), []
     spec_time = greedy_time = 0.0
     generated = forwards = 0
+    tf_tau = tf_blocks = 0
     for i, (category, turns) in enumerate(prompts):
         messages = []
         for turn in turns:
@@ -120,6 +142,8 @@ def evaluate_models(target, tokenizer, drafter, prompts, device, max_new_tokens,
                 first = next((k for k, (a, b) in enumerate(zip(output, reference)) if a != b),
                              min(len(output), len(reference)))
                 mismatches.append({"prompt": i, "first_difference_at": first})
+            t, n = teacher_forced_tau(target, drafter, ids, reference)
+            tf_tau, tf_blocks = tf_tau + t, tf_blocks + n
             per_cat[category] += accepted
             hist.update(accepted)
             generated += len(output)
@@ -131,13 +155,15 @@ def evaluate_models(target, tokenizer, drafter, prompts, device, max_new_tokens,
         "per_category": {c: sum(v) / len(v) for c, v in sorted(per_cat.items()) if v},
         "histogram": {str(k): hist[k] for k in sorted(hist)},
         "tokens_per_target_forward": generated / max(forwards, 1),
+        "teacher_forced_tau_hat": tf_tau / max(tf_blocks, 1),
         "speedup_vs_greedy": greedy_time / max(spec_time, 1e-9),
         "greedy_s": greedy_time, "speculative_s": spec_time,
         "prompts": len(prompts), "generated_tokens": generated, "max_new_tokens": max_new_tokens,
         "block_size": drafter.block_size, "lossless": not mismatches, "mismatches": mismatches,
     }
     log(f"eval: acceptance length {report['acceptance_length']:.2f} (histogram {report['histogram']}), "
-        f"{report['tokens_per_target_forward']:.2f} tokens/target forward, speed-up {report['speedup_vs_greedy']:.2f}x "
+        f"{report['tokens_per_target_forward']:.2f} tokens/target forward, tau_hat teacher-forced on the "
+        f"target's own outputs {report['teacher_forced_tau_hat']:.2f}, speed-up {report['speedup_vs_greedy']:.2f}x "
         f"over greedy, lossless: {report['lossless']}")
     return report
 

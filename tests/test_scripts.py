@@ -67,6 +67,37 @@ def test_acceptance_of_perfect_drafter(models, monkeypatch):
     assert set(r["per_category"]) == {"a", "b"}
 
 
+def test_teacher_forced_tau_matches_real_acceptance_per_block(models):
+    """Teacher-forced tau at an anchor equals what the inference path accepts drafting at that
+    anchor against the same text (train/serve agreement of the metric). The text is built so
+    that the drafter's first slot is always right, so the values are not trivially 1."""
+    target, tok, drafter = models
+    ids = ev.chat_ids(tok, [{"role": "user", "content": "the cat sat"}], "cpu")
+
+    def draft_at(prefix_tokens):
+        prefix = torch.cat([ids[0], torch.tensor(prefix_tokens, dtype=torch.long)])[None]
+        with dm.capture_layer_outputs(target, drafter.target_layer_ids) as feats:
+            target(prefix)
+        a = prefix.shape[1] - 1  # the anchor: its own hidden state is not context
+        ctx = drafter.context_kv(torch.cat(feats, -1)[:, :a], torch.arange(a)[None])
+        return drafter.draft_logits(ctx, torch.tensor(prefix_tokens[-1]), a).argmax(-1)[0].tolist()
+
+    gen = [5]
+    for _ in range(10):
+        gen.append(draft_at(gen)[0])
+    total, blocks = ev.teacher_forced_tau(target, drafter, ids, gen)
+    assert blocks == len(gen) - 1
+    expected = 0
+    for k in range(len(gen) - 1):
+        draft, truth = draft_at(gen[:k + 1]), gen[k + 1:k + drafter.block_size]
+        run = 0
+        while run < len(truth) and draft[run] == truth[run]:
+            run += 1
+        expected += 1 + run
+    assert expected >= 2 * blocks
+    assert abs(total - expected) < 1e-6
+
+
 def test_acceptance_of_drafter_that_is_never_right(models, monkeypatch):
     r = run_with_oracle(models, False, monkeypatch)
     assert r["lossless"]
