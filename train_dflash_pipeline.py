@@ -161,7 +161,7 @@ class BadRow(Exception):
     pass
 
 
-def row_to_messages(row):
+def row_to_messages(row, require_assistant=True):
     if "messages" in row:
         turns = [(m.get("role"), m.get("content")) for m in row["messages"]]
     elif "conversations" in row:
@@ -177,7 +177,7 @@ def row_to_messages(row):
         messages.append({"role": ROLE_ALIASES[role], "content": content})
     if not messages:
         raise BadRow("empty conversation")
-    if not any(m["role"] == "assistant" and m["content"].strip() for m in messages):
+    if require_assistant and not any(m["role"] == "assistant" and m["content"].strip() for m in messages):
         raise BadRow("no assistant turn")
     return messages
 

@@ -32,7 +32,7 @@ def read_todo(path, done):
             if lineno in done or not line.strip():
                 continue
             try:
-                messages = tp.row_to_messages(json.loads(line))
+                messages = tp.row_to_messages(json.loads(line), require_assistant=False)
             except (json.JSONDecodeError, tp.BadRow) as e:
                 print(f"warning: skipping {path}:{lineno}: {e}", file=sys.stderr)
                 continue
@@ -151,6 +151,8 @@ def main(argv=None):
             bar.update(len(rows))
             bar.set_postfix(tok_s=f"{tokens / (time.perf_counter() - t0):,.0f}")
     bar.close()
+    for t in threads:
+        t.join()
     if errors:
         print("error: " + "; ".join(errors), file=sys.stderr)
         return 1

@@ -137,7 +137,7 @@ def test_eval_cli_writes_report_and_fails_loudly(tmp_path, tiny_model_dir, monke
 
 
 def test_regenerate_resumes_without_duplicates(tmp_path, tiny_model_dir):
-    rows = chat_rows(7) + ["{broken"]
+    rows = chat_rows(6) + [{"messages": [{"role": "user", "content": "a prompt alone"}]}, "{broken"]
     src = write_jsonl(tmp_path / "in.jsonl", rows)
     out = tmp_path / "out.jsonl"
     # a previous, interrupted run finished rows 1 and 3 and was killed mid-line
