@@ -438,7 +438,7 @@ class DFlashDraftModel(nn.Module):
         hidden state is unknown); the drafter's KV cache holds context keys/values of every token
         the target has verified; the target's cache is cropped to the accepted prefix."""
         dev = input_ids.device
-        cache = new_cache(target)
+        cache = new_cache()
         ctx_kv = None
         stop = set(int(t) for t in stop_token_ids)
 
@@ -572,7 +572,7 @@ def cache_kwarg(model):
     return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
 
-def new_cache(model):
+def new_cache():
     from transformers import DynamicCache
     return DynamicCache()
 
@@ -595,7 +595,7 @@ def truncate_at_stop(tokens, max_new_tokens, stop):
 @torch.no_grad()
 def greedy_generate(target, input_ids, max_new_tokens, stop_token_ids=()):
     """Plain greedy decoding with a KV cache: the reference speculative decoding must equal."""
-    cache = new_cache(target)
+    cache = new_cache()
     stop = set(int(t) for t in stop_token_ids)
     kw = cache_kwarg(target)
     ids, out = input_ids, []

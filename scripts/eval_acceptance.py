@@ -25,6 +25,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import dflash_model as dm  # noqa: E402
+from scripts.builtin_assets import BUILTIN_DATA, builtin_model_dir, mtbench_questions  # noqa: E402
 
 
 def read_prompts(path):
@@ -55,8 +56,7 @@ def heldout_prompts(args, tokenizer, n):
     demo (never in its training data), else none."""
     if getattr(args, "eval_data", None):
         prompts = read_prompts(args.eval_data)
-    elif args.data == ["builtin:sharegpt"]:
-        from scripts.builtin_assets import mtbench_questions
+    elif args.data == [BUILTIN_DATA]:
         prompts = mtbench_questions()
     else:
         return []
@@ -73,11 +73,18 @@ def chat_ids(tokenizer, messages, device):
     return torch.tensor([ids], device=device)
 
 
-def load_models(target_path, drafter_dir, device):
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+def load_target(target_path, device):
+    """The whole target (all layers, LM head), bf16 on GPU, fp32 on CPU."""
+    from transformers import AutoModelForCausalLM
     dtype = torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
-    target = AutoModelForCausalLM.from_pretrained(target_path, dtype=dtype).to(device).eval()
+    return AutoModelForCausalLM.from_pretrained(target_path, dtype=dtype).to(device).eval()
+
+
+def load_models(target_path, drafter_dir, device, target=None):
+    from transformers import AutoTokenizer
+    target = target if target is not None else load_target(target_path, device)
     tokenizer = AutoTokenizer.from_pretrained(target_path)
+    dtype = next(target.parameters()).dtype
     drafter = dm.DFlashDraftModel.from_pretrained(drafter_dir, device=device, dtype=dtype).attach_target(target).eval()
     return target, tokenizer, drafter
 
@@ -168,8 +175,9 @@ def evaluate_models(target, tokenizer, drafter, prompts, device, max_new_tokens,
     return report
 
 
-def evaluate(target_path, drafter_dir, prompts, device="cpu", max_new_tokens=128, log=print):
-    target, tokenizer, drafter = load_models(target_path, drafter_dir, device)
+def evaluate(target_path, drafter_dir, prompts, device="cpu", max_new_tokens=128, log=print, target=None):
+    """Evaluate a saved drafter directory; `target`: an already loaded target to reuse."""
+    target, tokenizer, drafter = load_models(target_path, drafter_dir, device, target)
     report = evaluate_models(target, tokenizer, drafter, prompts, device, max_new_tokens, log)
     with open(os.path.join(drafter_dir, "eval_acceptance.json"), "w") as f:
         json.dump(report, f, indent=1)
@@ -186,17 +194,12 @@ def main(argv=None):
     p.add_argument("--device", default="cuda:0" if torch.cuda.is_available() else "cpu")
     p.add_argument("--max-new-tokens", type=int, default=256)
     args = p.parse_args(argv)
-    if args.prompts:
-        prompts = read_prompts(args.prompts)
-    else:
-        from scripts.builtin_assets import mtbench_questions
-        prompts = mtbench_questions()
+    prompts = read_prompts(args.prompts) if args.prompts else mtbench_questions()
     if args.single_turn:
         prompts = [(c, t[:1]) for c, t in prompts]
     prompts = prompts[:args.num_prompts]
     target_path = args.target_model
     if target_path.startswith("builtin:"):
-        from scripts.builtin_assets import builtin_model_dir
         target_path = builtin_model_dir(target_path)
     report = evaluate(target_path, args.drafter, prompts, args.device, args.max_new_tokens)
     print(json.dumps({k: v for k, v in report.items() if k != "mismatches"}, indent=1))

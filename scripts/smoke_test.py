@@ -69,11 +69,7 @@ def main(argv=None):
     parser.description = __doc__.split("\n")[0]
     parser.add_argument("--smoke-steps", type=int, default=20, help="training steps to run")
     parser.add_argument("--time-limit", type=float, default=1800, help="seconds before the smoke test gives up")
-    args = parser.parse_args(argv)
-    if args.target_model == tp.DEFAULT_MODEL:
-        for key, value in tp.DEMO_DEFAULTS.items():
-            if getattr(args, key) == parser.get_default(key):
-                setattr(args, key, value)
+    args = tp.apply_demo_defaults(parser, parser.parse_args(argv))
 
     def give_up():
         print(f"\n[FAIL] time limit: the smoke test did not finish within {args.time_limit:.0f}s", flush=True)

@@ -31,7 +31,7 @@ def make_worker(compile, seed=0, device="cuda:0", rank=0, averager=None):
     drafter.embed_weight = (torch.randn(32000, 1024, generator=g) * 0.02).to(device, torch.bfloat16)
     drafter.lm_head_weight = (torch.randn(32000, 1024, generator=g) * 0.02).to(device, torch.bfloat16)
     run = types.SimpleNamespace(lr_at=lambda step: 3e-4 * min(1.0, step / 5), features_dim=2 * 1024,
-                                log=print, resumed=False)
+                                log=print)
     w = tp.DrafterWorker(rank, torch.device(device), drafter, args, averager or tp.GradAverager(1), run)
     return w
 
