@@ -256,40 +256,47 @@ def full_attend(q, k, v):
 
 
 # -----------------------------------------------------------------------------
-# LM head + cross-entropy in chunks, recomputed in backward: peak memory holds one chunk of
-# logits, never num_positions x vocab.
+# LM head + cross-entropy in chunks: peak memory holds one chunk of logits, never
+# num_positions x vocab. The LM head is frozen, so the only gradient is d ce / d hidden, and it is
+# computed in the forward pass while the chunk's logits are at hand: two matmuls per chunk in all
+# (a recompute in backward would be a third). Backward only scales it by the incoming grad.
 
 def _upcast(x):
     return x.to(torch.promote_types(x.dtype, torch.float32))
 
 
+def _head_ce_chunk(hidden, weight, labels, with_grad):
+    """ce, correct and (if with_grad) d ce / d hidden for one chunk of positions."""
+    logits = _upcast(hidden.to(weight.dtype) @ weight.t())
+    lse = torch.logsumexp(logits, -1, keepdim=True)
+    ce = (lse - logits.gather(1, labels[:, None])).squeeze(1)
+    correct = logits.argmax(-1) == labels
+    if not with_grad:
+        return ce, correct, None
+    dlogits = torch.exp(logits - lse)  # d ce / d logits = softmax - onehot(label)
+    dlogits.scatter_add_(1, labels[:, None], torch.full_like(dlogits[:, :1], -1.0))
+    return ce, correct, (dlogits.to(weight.dtype) @ weight).to(hidden.dtype)
+
+
 class ChunkedLMHeadCE(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, labels, chunk_size):
-        ces, correct = [], []
-        for s in range(0, hidden.shape[0], chunk_size):
-            logits = _upcast(hidden[s:s + chunk_size].to(weight.dtype) @ weight.t())
-            lab = labels[s:s + chunk_size]
-            ces.append(torch.logsumexp(logits, -1) - logits.gather(1, lab[:, None]).squeeze(1))
-            correct.append(logits.argmax(-1) == lab)
-        ctx.save_for_backward(hidden, weight, labels)
-        ctx.chunk_size = chunk_size
-        correct = torch.cat(correct)
+    def forward(ctx, hidden, weight, labels, chunk_size, with_grad=True):
+        out = [_head_ce_chunk(hidden[s:s + chunk_size], weight, labels[s:s + chunk_size], with_grad)
+               for s in range(0, hidden.shape[0], chunk_size)]
+        ce, correct = torch.cat([o[0] for o in out]), torch.cat([o[1] for o in out])
         ctx.mark_non_differentiable(correct)
-        return torch.cat(ces), correct
+        ctx.with_grad = with_grad
+        if with_grad:
+            ctx.save_for_backward(torch.cat([o[2] for o in out]))
+        return ce, correct
 
     @staticmethod
     def backward(ctx, grad_ce, grad_correct):
-        hidden, weight, labels = ctx.saved_tensors
-        chunk = ctx.chunk_size
-        grads = []
-        for s in range(0, hidden.shape[0], chunk):
-            logits = _upcast(hidden[s:s + chunk].to(weight.dtype) @ weight.t())
-            dlogits = torch.softmax(logits, -1)  # d ce / d logits = softmax - onehot(label)
-            dlogits.scatter_add_(1, labels[s:s + chunk, None], torch.full_like(dlogits[:, :1], -1.0))
-            dlogits = dlogits * grad_ce[s:s + chunk, None]
-            grads.append((dlogits.to(weight.dtype) @ weight).to(hidden.dtype))
-        return torch.cat(grads), None, None, None
+        if not ctx.with_grad:
+            raise RuntimeError("ChunkedLMHeadCE was called with with_grad=False")
+        (dce_dhidden,) = ctx.saved_tensors
+        grad = _upcast(dce_dhidden) * _upcast(grad_ce)[:, None]
+        return grad.to(dce_dhidden.dtype), None, None, None, None
 
 
 # -----------------------------------------------------------------------------
@@ -388,26 +395,28 @@ class DFlashDraftModel(nn.Module):
         hidden = self.block_hidden(target_hidden, input_ids, doc_ids, position_ids, anchors, attention)
 
         # Slot k of the block at a predicts token a + k (k >= 1), inside the row and the document.
-        slot = torch.arange(bs, device=anchors.device)
+        # Slot 0 holds the anchor token itself and predicts nothing: it gets no logits.
+        slot = torch.arange(1, bs, device=anchors.device)
         idx = anchors[:, :, None] + slot
         in_row = idx < L
         idx = idx.clamp(max=L - 1)
-        flat = lambda t: t.gather(1, idx.view(B, -1)).view(B, -1, bs)
+        flat = lambda t: t.gather(1, idx.view(B, -1)).view(B, -1, bs - 1)
         labels = flat(input_ids)
         anchor_doc = doc_ids.gather(1, anchors)[:, :, None]
-        label_ok = (in_row & (flat(doc_ids) == anchor_doc) & flat(loss_mask).bool()
-                    & anchor_valid[:, :, None] & (slot > 0))
-        ce, correct = ChunkedLMHeadCE.apply(hidden.reshape(B * num_anchors * bs, -1), self.lm_head_weight,
-                                            labels.reshape(-1), ce_chunk_size)
-        ce = ce.view(B, num_anchors, bs)
-        weight = torch.exp(-(slot - 1).clamp(min=0).to(ce.dtype) / gamma) * label_ok
+        label_ok = in_row & (flat(doc_ids) == anchor_doc) & flat(loss_mask).bool() & anchor_valid[:, :, None]
+        predicting = hidden.view(B, num_anchors, bs, -1)[:, :, 1:].reshape(B * num_anchors * (bs - 1), -1)
+        ce, correct = ChunkedLMHeadCE.apply(predicting, self.lm_head_weight, labels.reshape(-1), ce_chunk_size,
+                                            torch.is_grad_enabled() and predicting.requires_grad)
+        ce = ce.view(B, num_anchors, bs - 1)
+        weight = torch.exp(-(slot - 1).to(ce.dtype) / gamma) * label_ok
         loss = (weight * ce).sum() / weight.sum().clamp(min=1e-6)
-        return loss, self.block_stats(loss, correct.view(B, num_anchors, bs), label_ok, anchor_valid)
+        return loss, self.block_stats(loss, correct.view(B, num_anchors, bs - 1), label_ok, anchor_valid)
 
     @staticmethod
     def block_stats(loss, correct, label_ok, anchor_valid):
-        """Sums that add up across steps: [loss, sum tau, blocks, correct per slot, labels per slot]."""
-        hit = (correct & label_ok)[:, :, 1:]
+        """Sums that add up across steps: [loss, sum tau, blocks, correct per slot, labels per slot].
+        correct and label_ok are [B, A, bs - 1], for slots 1..bs-1."""
+        hit = correct & label_ok
         tau = 1 + hit.long().cumprod(-1).sum(-1)  # 1 + leading correct slots
         valid = anchor_valid.float()
         return torch.cat([
@@ -415,7 +424,7 @@ class DFlashDraftModel(nn.Module):
             (tau.float() * valid).sum()[None],
             valid.sum()[None],
             hit.float().sum((0, 1)),
-            label_ok[:, :, 1:].float().sum((0, 1)),
+            label_ok.float().sum((0, 1)),
         ])
 
     # --- inference --------------------------------------------------------------------------

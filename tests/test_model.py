@@ -157,6 +157,10 @@ def test_chunked_head_matches_full_and_grads():
     (gh,) = torch.autograd.grad((ce * g).sum(), h)
     (gref,) = torch.autograd.grad((ref * g).sum(), h)
     torch.testing.assert_close(gh, gref)
+    # Without a gradient (evaluation) the same values come out, and no gradient is computed.
+    ce_eval, correct_eval = dm.ChunkedLMHeadCE.apply(h.detach(), w, lab, 8, False)
+    torch.testing.assert_close(ce_eval, ref)
+    assert torch.equal(correct_eval, correct)
 
 
 def test_save_load_round_trip(tmp_path):
