@@ -9,6 +9,7 @@ without the target running beside it; MFU of each stage from the formulas printe
 """
 
 import argparse
+import gc
 import json
 import os
 import sys
@@ -50,18 +51,18 @@ def target_flops_per_token(c, layers_run):
 def drafter_flops_per_step(c, n_feat_layers, draft_layers, rows, length, anchors, block):
     """Useful training FLOPs: 6 x params x draft positions for the draft layers; the context path
     (fc: no input grad; k/v projections: forward + both grads); the frozen LM head forward + input
-    grad (its recompute in backward is not counted as useful)."""
+    grad on the predicting slots 1..block-1 (slot 0 holds the anchor token and gets no logits)."""
     P = rows * anchors * block
     T = rows * length
     h, kv = c.hidden_size, c.num_key_value_heads * c.head_dim
     layers = 6 * linear_params_per_layer(c) * draft_layers * P
     context = 4 * n_feat_layers * h * h * T + 6 * 2 * h * kv * draft_layers * T
-    head = 4 * h * c.vocab_size * P
+    head = 4 * h * c.vocab_size * rows * anchors * (block - 1)
     return layers + context + head
 
 
 FORMULA = ("target: 2 * linear_params_per_layer * layers_run per token; drafter per step: "
-           "6 * draft_layer_params * P + (4 * n*H*H + 12 * H*kv_dim * layers) * T + 4 * H * V * P, "
+           "6 * draft_layer_params * P + (4 * n*H*H + 12 * H*kv_dim * layers) * T + 4 * H * V * P * (block-1)/block, "
            "P = rows*anchors*block draft positions, T = rows*max_length context tokens; attention excluded")
 
 
@@ -154,11 +155,64 @@ def drafter_step_times(a, cfg, device, embed, head, features_dim, report):  # no
         w = tp.DrafterWorker(0, torch.device(device), d, args, tp.GradAverager(1), fake_run(args, features_dim))
         warm_steps = lambda: [w.train_step(s + 1, batch) for s in range(3)]
         measure("compiled" if compile else "eager", w, warm_steps)
+        if compile and a.profile:
+            with torch.cuda.stream(w.stream):
+                profile_kernels(lambda s: w.train_step(1000 + s, batch), device, a.profile, report)
         if compile:
             measure("graph", w, lambda: w.capture(a.rows, features_dim))
         del w, d
         torch.cuda.empty_cache()
     return out
+
+
+def kernel_category(name):
+    n = name.lower()
+    if any(k in n for k in ("gemm", "nvjet", "cutlass", "xmma", "cublas")):
+        return "matmul (cuBLAS)"
+    if "flex" in n or n.startswith("triton_tem"):
+        return "flex_attention (triton templates)"
+    if n.startswith(("triton_red", "triton_per")):
+        return "fused reductions (triton)"
+    if n.startswith("triton_poi"):
+        return "fused pointwise (triton)"
+    if "memcpy" in n or "memset" in n:
+        return "memcpy/memset"
+    return "other"
+
+
+def profile_kernels(step, device, path, report, steps=3):
+    """GPU time per kernel over a few steps of the compiled step (no graph: kernels stay visible),
+    by category and the 40 largest, written to `path`."""
+    from torch.profiler import ProfilerActivity, profile
+    for s in range(2):
+        step(s)
+    torch.cuda.synchronize(device)
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for s in range(steps):
+            step(10 + s)
+        torch.cuda.synchronize(device)
+    kernels = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
+    time_of = lambda e: getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0)
+    total = sum(time_of(e) for e in kernels) or 1
+    by_cat = {}
+    for e in kernels:
+        c = kernel_category(e.key)
+        by_cat[c] = by_cat.get(c, 0) + time_of(e)
+    lines = [f"GPU kernel time per step: {total / steps / 1e3:.1f} ms over {steps} steps"]
+    lines += [f"  {c:36s} {t / steps / 1e3:8.1f} ms  {t / total:6.1%}" for c, t in sorted(by_cat.items(), key=lambda x: -x[1])]
+    lines.append("largest kernels (ms per step, calls per step, name):")
+    for e in sorted(kernels, key=time_of, reverse=True)[:40]:
+        lines.append(f"  {time_of(e) / steps / 1e3:8.2f} {e.count // steps:5d}  {e.key[:150]}")
+    for l in lines[:len(by_cat) + 1]:
+        report(l)
+    for sort_by in ("self_device_time_total", "self_cuda_time_total"):
+        try:
+            lines += ["", prof.key_averages().table(sort_by=sort_by, row_limit=60, max_name_column_width=120)]
+            break
+        except Exception:  # the sort key's name differs between torch versions
+            continue
+    with open(path, "w") as f:
+        f.write("\n".join(lines) + "\n")
 
 
 def target_batch_times(a, replica, report):
@@ -206,7 +260,8 @@ def drafter_threads_scaling(a, cfg, devices, embed, head, features_dim, report, 
         dt = time.perf_counter() - t0
         results[n] = n * steps / dt
         report(f"drafter threads x{n}: {results[n]:.2f} steps/s (averaging every step)")
-        del workers
+        del workers, threads, batches, w, d  # free the captured graphs' memory pools
+        gc.collect()
         torch.cuda.empty_cache()
     return results
 
@@ -352,6 +407,7 @@ def main():
     p.add_argument("--skip", default="", help="comma list of sections to skip: step,target,scaling,beside,pipeline")
     p.add_argument("--output-dir", default="/tmp/dflash_bench")
     p.add_argument("--json", default=None, help="write all results here")
+    p.add_argument("--profile", default=None, help="write a per-kernel GPU time table of the compiled drafter step here")
     p.add_argument("--ce-memory", action="store_true", help="only the LM-head/CE peak memory per chunk size (CPU or GPU)")
     p.add_argument("--ce-positions", type=int, default=16384)
     p.add_argument("--ce-hidden", type=int, default=4096)
@@ -412,6 +468,8 @@ def main():
         results["target"] = tt
         for k, t in tt.items():
             report(f"  target {k}: {tokens / t:,.0f} tokens/s, MFU {t_flops * tokens / t / PEAK_FLOPS:.1%}")
+    replica.graph = None  # its static buffers and pool: the later sections capture their own
+    torch.cuda.empty_cache()
     if "scaling" not in skip and n_gpu >= 2:
         sc = drafter_threads_scaling(a, cfg, ["cuda:0", "cuda:1"], embed, head, features_dim, report, 30)
         results["scaling"] = sc
