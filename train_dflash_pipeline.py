@@ -48,7 +48,8 @@ def build_parser():
     a("--output-dir", default="runs/dflash", help="logs, metrics.jsonl and checkpoints go here")
     a("--target-gpus", default=None, help="e.g. 0,1,2,3,4,5 (or cpu); default: chosen from the visible GPUs")
     a("--drafter-gpus", default=None, help="one drafter worker thread per entry, e.g. 6,7 (repeats and cpu allowed)")
-    a("--token-budget", type=int, default=49152, help="tokens per fixed-shape batch (a multiple of --max-length)")
+    a("--token-budget", type=int, default=12288,
+      help="tokens per fixed-shape batch (a multiple of --max-length); 4 x 3072 fits an H200 at Qwen3-8B shapes")
     a("--max-length", type=int, default=3072, help="longest sequence; also the row length of a batch")
     a("--block-size", type=int, default=16)
     a("--num-anchors", type=int, default=512, help="anchors per --max-length tokens (per batch row)")

@@ -1,7 +1,7 @@
 """Run before every full run, with the same flags: a few real pipeline steps and a check of each stage.
 
     python scripts/smoke_test.py --target-model Qwen/Qwen3-8B --data data/*.jsonl \
-        --target-gpus 0,1,2,3,4,5 --drafter-gpus 6,7 --compile --token-budget 18432
+        --target-gpus 0,1,2,3,4,5 --drafter-gpus 6,7 --compile --token-budget 12288
 
 Checks, in order, and stops at the first failure with its reason (exit 1): data reads and
 tokenises; the target loads (and runs one batch) on every target device; the drafter builds on
