@@ -3,7 +3,8 @@
     data (JSONL -> tokens, cached) -> fixed-shape packed batches
       -> target stage (main thread, one replica per target device, only the layers needed)
       -> bounded queue per drafter worker (features already on the worker's device)
-      -> drafter workers (one thread per drafter device: step, gradient averaging, AdamW)
+      -> drafter workers (one thread per drafter device: step, gradient averaging, AdamW);
+         several machines under torchrun: one such process each, gradients averaged over all
       -> logging (log file, metrics.jsonl, tqdm) and checkpoints (servable drafter + training state)
 
 Every batch has the same shape ([rows, max_length], rows = token_budget // max_length) so the
@@ -73,6 +74,8 @@ def build_parser():
     a("--queue-depth", type=int, default=2, help="batches waiting per drafter worker")
     a("--switch-interval", type=float, default=1e-4,
       help="Python thread switch interval (s) on GPU runs: short, so workers are not kept waiting")
+    a("--dist-timeout", type=float, default=1800,
+      help="several machines (torchrun): seconds a machine waits for the others before the run stops")
     a("--cache-dir", default=os.path.join(os.path.expanduser("~"), ".cache", "dflash_train"))
     a("--eval-data", default=None, help="held-out prompts (JSONL) for the final acceptance-length measurement; "
       "the built-in demo uses MT-Bench")
@@ -520,14 +523,75 @@ def load_tokenizer(name):
 
 
 # -----------------------------------------------------------------------------
-# Gradient averaging across drafter replicas (threads of this process; later: machines)
+# Gradient averaging across drafter replicas: the threads of this process, and the machines
+
+class Cluster:
+    """This process's place among the machines of a run: one process per machine (launched by
+    torchrun, which sets WORLD_SIZE and RANK), each running this whole pipeline on its own GPUs.
+    Alone (no torchrun): rank 0 of 1, and every method below is a no-op."""
+
+    def __init__(self, rank=0, world_size=1, device=None):
+        self.rank, self.world_size = rank, world_size
+        self.device = device  # where collectives run: the first drafter device (NCCL) or the CPU (gloo)
+
+    @classmethod
+    def from_env(cls, drafter_devices, timeout_s):
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+        if world == 1:
+            return cls()
+        cuda = drafter_devices[0].type == "cuda"
+        if cuda and int(os.environ.get("LOCAL_WORLD_SIZE", "1")) > 1:
+            raise UsageError("one process per machine: launch with torchrun --nproc-per-node 1 (each process "
+                             "drives all of its machine's GPUs through --target-gpus/--drafter-gpus)")
+        import datetime
+        import torch.distributed as dist
+        if cuda:
+            torch.cuda.set_device(drafter_devices[0])
+        dist.init_process_group("nccl" if cuda else "gloo", timeout=datetime.timedelta(seconds=timeout_s))
+        return cls(dist.get_rank(), world, drafter_devices[0] if cuda else torch.device("cpu"))
+
+    @property
+    def is_main(self):
+        return self.rank == 0
+
+    def all_reduce_(self, t, op="sum"):
+        """In place across the processes (t on any device; moved to self.device and back)."""
+        if self.world_size == 1:
+            return t
+        import torch.distributed as dist
+        x = t.to(self.device)
+        dist.all_reduce(x, op={"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}[op])
+        if x is not t:
+            t.copy_(x)
+        return t
+
+    def check_same(self, what, values):
+        """Stop unless every process has the same values (e.g. the step to resume from)."""
+        if self.world_size == 1:
+            return
+        lo = self.all_reduce_(torch.tensor(values, dtype=torch.long), "min")
+        hi = self.all_reduce_(torch.tensor(values, dtype=torch.long), "max")
+        if not torch.equal(lo, hi):
+            raise UsageError(f"the machines disagree on {what}: {lo.tolist()} on one, {hi.tolist()} on another "
+                             "(same --data, flags and a checkpoint directory every machine can read are needed)")
+
+    def close(self):
+        if self.world_size > 1:
+            import torch.distributed as dist
+            if dist.is_initialized():
+                dist.destroy_process_group()
+
 
 class GradAverager:
     """Every worker hands in its flat gradient buffer; the last to arrive averages them all into
-    every buffer. An aborted barrier (a failed worker) raises in all the others."""
+    every buffer, across the machines too. An aborted barrier (a failed worker) raises in all the
+    others. Over several machines the same reduction also agrees on stopping: a stop asked for on
+    any machine (a signal) ends every machine's run after the same step."""
 
-    def __init__(self, num_workers):
-        self.num_workers = num_workers
+    def __init__(self, num_workers, cluster=None, stop_requested=lambda: False):
+        self.num_workers, self.cluster = num_workers, cluster or Cluster()
+        self.active = num_workers > 1 or self.cluster.world_size > 1  # is there anything to average
+        self.stop_requested, self.stop_agreed = stop_requested, False
         self.buffers = [None] * num_workers
         self.barrier = threading.Barrier(num_workers, action=self._average) if num_workers > 1 else None
 
@@ -536,20 +600,27 @@ class GradAverager:
         total = self.buffers[0].clone()
         for b in self.buffers[1:]:
             total += b.to(dev0)
-        total /= self.num_workers
+        self.cluster.all_reduce_(total)
+        total /= self.num_workers * self.cluster.world_size
         for b in self.buffers:
             b.copy_(total)
         for b in self.buffers:
             if b.device.type == "cuda":
                 torch.cuda.synchronize(b.device)
+        if self.cluster.world_size > 1:
+            vote = torch.tensor([1 if self.stop_requested() else 0])
+            self.stop_agreed = bool(self.cluster.all_reduce_(vote, "max")[0])
 
     def average(self, rank, flat_grad):
-        if self.barrier is None:
+        if not self.active:
             return
         if flat_grad.device.type == "cuda":
             torch.cuda.current_stream(flat_grad.device).synchronize()
         self.buffers[rank] = flat_grad
-        self.barrier.wait()
+        if self.barrier is None:
+            self._average()
+        else:
+            self.barrier.wait()
 
     def abort(self):
         if self.barrier is not None:
@@ -585,6 +656,9 @@ class DrafterWorker:
     def __init__(self, rank, device, drafter, args, averager, run):
         self.rank, self.device, self.drafter, self.args, self.averager, self.run = \
             rank, device, drafter, args, averager, run
+        # Rank among all the workers of all the machines: it picks this worker's anchors.
+        self.global_rank = averager.cluster.rank * averager.num_workers + rank
+        self.is_last = self.global_rank == averager.cluster.world_size * averager.num_workers - 1
         self.queue = queue.Queue(maxsize=args.queue_depth)
         self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         params = list(drafter.parameters())
@@ -631,7 +705,7 @@ class DrafterWorker:
 
     def anchor_noise(self, step, out):
         # Stateless per (seed, step, rank): a resumed run draws the same anchors.
-        self.generator.manual_seed(self.args.seed * 1_000_003 + step * 131 + self.rank)
+        self.generator.manual_seed(self.args.seed * 1_000_003 + step * 131 + self.global_rank)
         return torch.rand(out.shape, generator=self.generator, device=self.device, out=out)
 
     def set_lr(self, step):
@@ -717,7 +791,7 @@ class DrafterWorker:
         if fresh:  # the warm-up created the optimizer state: back to zero moments and step 0
             for t in state_tensors():
                 t.zero_()
-        several = self.averager.num_workers > 1
+        several = self.averager.active  # the averaging sits between two graphs
         g1 = torch.cuda.CUDAGraph()
         with torch.cuda.graph(g1, stream=self.stream, capture_error_mode="thread_local"):
             loss, stats = self.forward_backward(self.static)
@@ -761,13 +835,16 @@ class DrafterWorker:
                 for v in batch.values():
                     v.record_stream(self.stream)
             step += 1
-            if self.args.fault_inject_step == step and self.rank == 0:
+            if self.args.fault_inject_step == step and self.is_last:
                 raise RuntimeError(f"fault injected at step {step}")
             loss, stats = self.train_step(step, batch)
             self.stats = stats if self.stats is None else self.stats + stats
             self.losses.append(loss)
             self.steps_done = step
             self.run.step_done(self, step)
+            if self.averager.stop_agreed:  # another machine was signalled: every machine ends after this step
+                self.run.interrupted = True
+                return
 
 # -----------------------------------------------------------------------------
 # Checkpoints: servable drafter + training state, written to a temp dir then renamed
@@ -840,16 +917,19 @@ class StageClock:
 class Run:
     """What the main thread and the workers share: stop flag, errors, logging, checkpoint duty."""
 
-    def __init__(self, args, total_steps, warmup_steps, start_step, stream, devices, log_file):
+    def __init__(self, args, total_steps, warmup_steps, start_step, stream, devices, log_file, cluster=None):
         self.args, self.total_steps, self.warmup_steps, self.start_step = args, total_steps, warmup_steps, start_step
         self.stream = stream
+        self.cluster = cluster or Cluster()
         self.cuda_devices = sorted({d for d in devices if d.type == "cuda"}, key=str)
         self.stop = threading.Event()
-        self.interrupted = False
+        self.stop_asked = False  # a signal arrived here; over several machines the workers agree on when
+        self.interrupted = False  # feeding stops at a step boundary and the run ends with a save
         self.errors, self.lock, self.reported = [], threading.Lock(), {}
         self.workers, self.averager, self.pbar = [], None, None
         self.log_file = log_file
-        self.metrics_file = open(os.path.join(args.output_dir, "metrics.jsonl"), "a")
+        # One log file per machine; metrics, checkpoints and evaluations from the first machine only.
+        self.metrics_file = open(os.path.join(args.output_dir, "metrics.jsonl"), "a") if self.cluster.is_main else None
         self.last_log = (time.perf_counter(), start_step)
         self.target_clock, self.target_batches, self.target_batches_logged = StageClock(), 0, 0
         self.target_seconds_logged = 0.0
@@ -875,9 +955,10 @@ class Run:
         if worker.rank == 0 and self.pbar is not None:
             self.pbar.update(1)
         a = self.args
-        due_eval = bool(a.eval_interval) and step % a.eval_interval == 0 and bool(self.eval_prompts)
-        due_log = step % a.log_interval == 0 or step == self.total_steps or due_eval
-        due_save = step % a.save_interval == 0 or step == self.total_steps
+        main = self.cluster.is_main
+        due_eval = bool(a.eval_interval) and step % a.eval_interval == 0 and bool(self.eval_prompts) and main
+        due_log = step % a.log_interval == 0 or step == self.total_steps or bool(a.eval_interval) and step % a.eval_interval == 0
+        due_save = (step % a.save_interval == 0 or step == self.total_steps) and main
         if not (due_log or due_save):
             return
         if worker.stream is not None:
@@ -894,7 +975,12 @@ class Run:
         if due_eval:
             self.evaluate_now(step, rec["tau_hat"])
         if due_save:
-            self.log(f"checkpoint: {save_checkpoint(a.output_dir, step, self.workers[0], step * len(self.workers), a)}")
+            self.log(f"checkpoint: {save_checkpoint(a.output_dir, step, self.workers[0], step * self.num_workers, a)}")
+
+    @property
+    def num_workers(self):
+        """Drafter workers on all the machines: each step consumes this many batches."""
+        return len(self.workers) * self.cluster.world_size
 
     def check_finite(self, step):
         for w in self.workers:
@@ -911,8 +997,8 @@ class Run:
     def write_metrics(self, step):
         now = time.perf_counter()
         t_prev, s_prev = self.last_log
-        dt, steps, W = max(now - t_prev, 1e-9), step - s_prev, len(self.workers)
-        stats = sum(w.stats.cpu() for w in self.workers)
+        dt, steps, W = max(now - t_prev, 1e-9), step - s_prev, self.num_workers
+        stats = self.cluster.all_reduce_(sum(w.stats.cpu() for w in self.workers))
         m = dm.stats_to_metrics(stats[:-1], steps * W)
         target_s = self.target_clock.total()
         target_batches = self.target_batches - self.target_batches_logged
@@ -933,8 +1019,9 @@ class Run:
         for w in self.workers:
             w.stats = None
         self.last_log = (now, step)
-        self.metrics_file.write(json.dumps(rec) + "\n")
-        self.metrics_file.flush()
+        if self.metrics_file is not None:
+            self.metrics_file.write(json.dumps(rec) + "\n")
+            self.metrics_file.flush()
         tt = f"{rec['target_tokens_per_s']:,.0f}" if rec["target_tokens_per_s"] else "-"
         self.log(f"step {step}/{self.total_steps} ep {rec['epoch']:.2f} | tok/s {rec['tokens_per_s']:,.0f} "
                  f"(real {rec['real_tokens_per_s']:,.0f}, target stage {tt}) | drafter "
@@ -970,10 +1057,10 @@ class Run:
 # -----------------------------------------------------------------------------
 # The main thread: target forward per batch, features to a worker's device, into its queue
 
-def put(run, q, item):
-    while not run.stop.is_set():
+def put(run, worker, item):
+    while not run.stop.is_set() and worker.thread.is_alive():
         try:
-            q.put(item, timeout=0.2)
+            worker.queue.put(item, timeout=0.2)
             return
         except queue.Full:
             pass
@@ -981,12 +1068,18 @@ def put(run, q, item):
 
 def feed(run, replicas, stream, start_step):
     """Batches go round-robin over target replicas and workers, a whole round (one batch per
-    worker) per step, so every worker runs the same number of steps. Ends with a sentinel."""
-    batches = stream.iterate(start_step * len(run.workers))
+    worker) per step, so every worker runs the same number of steps. Over several machines a
+    step's round spans the workers of all of them, and this machine feeds its own slice of it.
+    Ends with a sentinel."""
+    W, first = len(run.workers), run.cluster.rank * len(run.workers)
+    batches = stream.iterate(start_step * run.num_workers)
     step = start_step
     while step < run.total_steps and not run.stop.is_set() and not run.interrupted:
-        for w in run.workers:
+        for j in range(run.num_workers):
             _, batch = next(batches)
+            if not first <= j < first + W:
+                continue  # another machine's batch
+            w = run.workers[j - first]
             replica = replicas[run.target_batches % len(replicas)]
             run.target_clock.start(replica.device)
             feats = replica.features(batch)
@@ -998,10 +1091,10 @@ def feed(run, replicas, stream, start_step):
                 item["ready"] = torch.cuda.Event()
                 item["ready"].record(torch.cuda.current_stream(w.device))
             run.target_batches += 1
-            put(run, w.queue, item)
+            put(run, w, item)
         step += 1
     for w in run.workers:
-        put(run, w.queue, None)
+        put(run, w, None)
     return step
 
 
@@ -1027,7 +1120,7 @@ def run_pipeline(run, replicas, drafters, drafter_devices, optimizer_state=None,
     if any(d.type == "cuda" for d in drafter_devices + [r.device for r in replicas]):
         # Workers need the interpreter between the main thread's Python ops (brief section 4).
         sys.setswitchinterval(args.switch_interval)
-    run.averager = GradAverager(len(drafters))
+    run.averager = GradAverager(len(drafters), run.cluster, stop_requested=lambda: run.stop_asked)
     run.workers = [DrafterWorker(i, dev, d, args, run.averager, run)
                    for i, (dev, d) in enumerate(zip(drafter_devices, drafters))]
     if optimizer_state is not None:
@@ -1038,13 +1131,17 @@ def run_pipeline(run, replicas, drafters, drafter_devices, optimizer_state=None,
 
     # SIGINT/SIGTERM stop feeding at a step boundary; the end of the run saves.
     def on_signal(signum, frame):
-        run.log(f"signal {signum}: finishing the queued steps, saving a checkpoint, exiting")
-        run.interrupted = True
+        run.stop_asked = True
+        if run.cluster.world_size == 1:
+            run.log(f"signal {signum}: finishing the queued steps, saving a checkpoint, exiting")
+            run.interrupted = True
+        else:
+            run.log(f"signal {signum}: every machine stops after the next step, then a checkpoint is saved")
     in_main = threading.current_thread() is threading.main_thread()
     old_handlers = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)} if in_main else {}
     from tqdm import tqdm
     run.pbar = tqdm(total=run.total_steps, initial=run.start_step, unit="step", dynamic_ncols=True,
-                    disable=None if show_progress else True)
+                    disable=None if show_progress and run.cluster.is_main else True)
     for w in run.workers:
         w.thread.start()
     try:
@@ -1156,9 +1253,11 @@ def write_log_line(log_file, msg, echo=print):
     log_file.flush()
 
 
-def open_log(args):
+def open_log(args, cluster=None):
+    cluster = cluster or Cluster()
     os.makedirs(args.output_dir, exist_ok=True)
-    log_file = open(os.path.join(args.output_dir, "train.log"), "a")
+    name = "train.log" if cluster.is_main else f"train.rank{cluster.rank}.log"
+    log_file = open(os.path.join(args.output_dir, name), "a")
     return log_file, lambda msg: write_log_line(log_file, msg, lambda line: print(line, flush=True))
 
 
@@ -1174,12 +1273,25 @@ def prepare_data(args, tc, log):
 
 def train(args):
     target_devices, drafter_devices, tc = resolve_settings(args)
-    log_file, log = open_log(args)
+    cluster = Cluster.from_env(drafter_devices, args.dist_timeout)
+    rc = 1
+    try:
+        rc = train_on(args, cluster, target_devices, drafter_devices, tc)
+        return rc
+    finally:
+        if rc == 0:  # after a failure a collective may still wait in a worker thread: exiting tears it down
+            cluster.close()
+
+
+def train_on(args, cluster, target_devices, drafter_devices, tc):
+    log_file, log = open_log(args, cluster)
     tokenizer, corpus, stream = prepare_data(args, tc, log)
     rows_per_batch = args.token_budget // args.max_length
-    W = len(drafter_devices)
+    W = len(drafter_devices) * cluster.world_size
     total_steps = args.max_steps or max(1, int(args.epochs * stream.batches_per_epoch) // W)
     warmup_steps = math.ceil(args.warmup_ratio * total_steps)
+    if cluster.world_size > 1:
+        log(f"machines: this is {cluster.rank} of {cluster.world_size} (pid {os.getpid()}); {W} drafter workers in all")
     log(f"layout: target {[str(d) for d in target_devices]} | drafter workers {[str(d) for d in drafter_devices]}")
     log(f"batches: {rows_per_batch} x {args.max_length} = {args.token_budget} tokens, "
         f"{args.num_anchors * rows_per_batch} anchors x block {args.block_size}; packing efficiency "
@@ -1203,12 +1315,15 @@ def train(args):
             d.load_state_dict(weights)
         start_step = state["step"]
         log(f"resume: {resume_dir} at step {start_step}")
+    cluster.check_same("[step to resume from, total steps, batches per epoch]",
+                       [start_step, total_steps, stream.batches_per_epoch])
 
     if start_step >= total_steps:
         log(f"nothing to do: already at step {start_step} of {total_steps}")
         return 0
-    run = Run(args, total_steps, warmup_steps, start_step, stream, target_devices + drafter_devices, log_file)
-    if args.eval_interval:
+    run = Run(args, total_steps, warmup_steps, start_step, stream, target_devices + drafter_devices, log_file,
+              cluster)
+    if args.eval_interval and cluster.is_main:
         from scripts.eval_acceptance import heldout_prompts
         run.tokenizer, run.eval_prompts = tokenizer, heldout_prompts(args, tokenizer, args.eval_prompts)
         if not run.eval_prompts:
@@ -1219,10 +1334,12 @@ def train(args):
             print(f"\nerror in {where}:\n{tb}", file=sys.stderr)
         run.log(f"stopped after an error; checkpoints in {args.output_dir}/checkpoints are untouched")
         return 1
-    W = len(run.workers)
     final_step = run.workers[0].steps_done
+    run.check_finite(final_step)
+    if not cluster.is_main:
+        run.log(f"done: {final_step} steps; the first machine saves the drafter")
+        return 0
     if final_step not in checkpoint_steps(args.output_dir):  # interrupted between saves
-        run.check_finite(final_step)
         run.log(f"checkpoint: {save_checkpoint(args.output_dir, final_step, run.workers[0], final_step * W, args)}")
     final_dir = os.path.join(args.output_dir, "final")
     shutil.rmtree(final_dir, ignore_errors=True)
