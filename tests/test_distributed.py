@@ -55,6 +55,21 @@ def test_two_machines_train_exactly_like_two_workers_in_one(tmp_path, tiny_model
     assert "2 drafter workers in all" in (two / "train.log").read_text()
 
 
+def test_two_machines_resume_after_a_fault_as_if_uninterrupted(tmp_path, tiny_model_dir):
+    data = write_jsonl(tmp_path / "d.jsonl", chat_rows(60))
+    steps = ["--drafter-gpus", "cpu", "--max-steps", "8", "--log-interval", "1", "--save-interval", "4"]
+    full, part = tmp_path / "full" / "out", tmp_path / "part" / "out"
+    r = run(full, tiny_model_dir, data, 2, *steps)
+    assert r.returncode == 0, r.stderr
+    r = run(part, tiny_model_dir, data, 2, *steps, "--fault-inject-step", "6")
+    assert r.returncode != 0
+    assert os.listdir(part / "checkpoints") == ["step_4"]
+    r = run(part, tiny_model_dir, data, 2, *steps, "--resume", "auto")
+    assert r.returncode == 0, r.stderr
+    lf, lp = losses(full), losses(part)
+    assert all(lf[s] == lp[s] for s in range(5, 9)), (lf, lp)
+
+
 def test_fault_on_one_machine_stops_every_machine(tmp_path, tiny_model_dir):
     data = write_jsonl(tmp_path / "d.jsonl", chat_rows(40))
     t0 = time.time()
