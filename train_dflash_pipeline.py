@@ -464,6 +464,7 @@ def budget_that_fits(device, max_length, one_row_step):
     base = torch.cuda.memory_allocated(device)
     one_row_step()
     per_row = max(torch.cuda.max_memory_allocated(device) - base, 1)
+    torch.cuda.empty_cache()  # memory the allocator keeps cached is free for the rows too
     free, _ = torch.cuda.mem_get_info(device)
     rows = int(0.9 * (free + torch.cuda.memory_allocated(device) - base) // per_row)
     return max(rows, 0) * max_length, per_row
