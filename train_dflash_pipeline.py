@@ -956,10 +956,13 @@ class Run:
         if worker.rank == 0 and self.pbar is not None:
             self.pbar.update(1)
         a = self.args
-        main = self.cluster.is_main
-        due_eval = bool(a.eval_interval) and step % a.eval_interval == 0 and bool(self.eval_prompts) and main
-        due_log = step % a.log_interval == 0 or step == self.total_steps or bool(a.eval_interval) and step % a.eval_interval == 0
-        due_save = (step % a.save_interval == 0 or step == self.total_steps) and main
+        main, last = self.cluster.is_main, step == self.total_steps
+        eval_step = bool(a.eval_interval) and step % a.eval_interval == 0
+        # Every machine logs on the same steps (the figures are summed across machines); only the
+        # first evaluates and saves.
+        due_log = step % a.log_interval == 0 or last or eval_step
+        due_eval = eval_step and bool(self.eval_prompts) and main
+        due_save = (step % a.save_interval == 0 or last) and main
         if not (due_log or due_save):
             return
         if worker.stream is not None:
