@@ -26,9 +26,26 @@ def command(out, model_dir, data, processes, *extra):
                        "--output-dir", str(out), "--cache-dir", str(out.parent / "cache"), *COMMON, *extra]
 
 
+def start(out, model_dir, data, processes, *extra, **popen):
+    # A session of its own, so that stop() ends the launcher and every process it started.
+    return subprocess.Popen(command(out, model_dir, data, processes, *extra), text=True, cwd=ROOT, env=ENV,
+                            start_new_session=True, **popen)
+
+
+def stop(p):
+    try:
+        os.killpg(p.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
 def run(out, model_dir, data, processes, *extra, timeout=600):
-    return subprocess.run(command(out, model_dir, data, processes, *extra), capture_output=True, text=True,
-                          timeout=timeout, cwd=ROOT, env=ENV)
+    p = start(out, model_dir, data, processes, *extra, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        stdout, stderr = p.communicate(timeout=timeout)
+    finally:
+        stop(p)
+    return subprocess.CompletedProcess(p.args, p.returncode, stdout, stderr)
 
 
 def losses(out):
@@ -84,9 +101,8 @@ def test_fault_on_one_machine_stops_every_machine(tmp_path, tiny_model_dir):
 def test_signal_on_one_machine_stops_all_after_the_same_step(tmp_path, tiny_model_dir):
     data = write_jsonl(tmp_path / "d.jsonl", chat_rows(40))
     out = tmp_path / "out"
-    p = subprocess.Popen(command(out, tiny_model_dir, data, 2, "--drafter-gpus", "cpu", "--max-steps", "100000",
-                                 "--log-interval", "1", "--save-interval", "100000"),
-                         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, cwd=ROOT, env=ENV)
+    p = start(out, tiny_model_dir, data, 2, "--drafter-gpus", "cpu", "--max-steps", "100000", "--log-interval", "1",
+              "--save-interval", "100000", stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     rank1_log = out / "train.rank1.log"
     try:
         deadline = time.time() + 300
@@ -97,7 +113,7 @@ def test_signal_on_one_machine_stops_all_after_the_same_step(tmp_path, tiny_mode
         os.kill(pid, signal.SIGTERM)  # only the second machine is told to stop
         _, err = p.communicate(timeout=120)
     finally:
-        p.kill()
+        stop(p)
     assert p.returncode == 0, err
     final = int((out / "train.rank1.log").read_text().split("done: ")[1].split(" steps")[0])
     assert 3 <= final < 100000
@@ -120,6 +136,10 @@ def test_machines_that_disagree_are_refused():
     env = dict(ENV, WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     procs = [subprocess.Popen([sys.executable, "-c", code, ROOT], env=dict(env, RANK=str(r)), stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, text=True) for r in range(2)]
-    outs = [p.communicate(timeout=120) for p in procs]
+    try:
+        outs = [p.communicate(timeout=120) for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
     for out, err in outs:
         assert "refused: the machines disagree on the step to resume from: [0] on one, [4] on another" in out, err
