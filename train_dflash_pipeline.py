@@ -383,7 +383,9 @@ class BatchStream:
         real = int(corpus.lengths.sum())
         self.packing_efficiency = real / (len(first) * max_length)
 
-    def iterate(self, skip):
+    def iterate(self, skip, round_size=1, mine=range(1)):
+        """Batches from number `skip` on. Batch g is position g % round_size of its step's round;
+        only positions in `mine` are built (over several machines, each builds its own slice)."""
         epoch, k = skip // self.batches_per_epoch, skip % self.batches_per_epoch
         while True:
             rows = pack_epoch(self.corpus.lengths, self.max_length, self.seed, epoch)
@@ -391,8 +393,9 @@ class BatchStream:
             need = self.batches_per_epoch * self.rows_per_batch
             rows = (rows * math.ceil(need / len(rows)))[:need]
             for i in range(k, self.batches_per_epoch):
-                yield epoch, make_batch(self.corpus, rows[i * self.rows_per_batch:(i + 1) * self.rows_per_batch],
-                                        self.max_length)
+                if (epoch * self.batches_per_epoch + i) % round_size in mine:
+                    yield epoch, make_batch(self.corpus, rows[i * self.rows_per_batch:(i + 1) * self.rows_per_batch],
+                                            self.max_length)
             epoch, k = epoch + 1, 0
 
 
@@ -1075,15 +1078,12 @@ def feed(run, replicas, stream, start_step):
     worker) per step, so every worker runs the same number of steps. Over several machines a
     step's round spans the workers of all of them, and this machine feeds its own slice of it.
     Ends with a sentinel."""
-    W, first = len(run.workers), run.cluster.rank * len(run.workers)
-    batches = stream.iterate(start_step * run.num_workers)
+    first = run.cluster.rank * len(run.workers)
+    batches = stream.iterate(start_step * run.num_workers, run.num_workers, range(first, first + len(run.workers)))
     step = start_step
     while step < run.total_steps and not run.stop.is_set() and not run.interrupted:
-        for j in range(run.num_workers):
+        for w in run.workers:
             _, batch = next(batches)
-            if not first <= j < first + W:
-                continue  # another machine's batch
-            w = run.workers[j - first]
             replica = replicas[run.target_batches % len(replicas)]
             run.target_clock.start(replica.device)
             feats = replica.features(batch)

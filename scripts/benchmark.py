@@ -353,7 +353,7 @@ class SyntheticStream:
                         for s in range(4)]
         self.batches_per_epoch, self.packing_efficiency = 10**9, 1.0
 
-    def iterate(self, skip):
+    def iterate(self, skip, round_size=1, mine=range(1)):  # one machine: every batch is its own
         i = skip
         while True:
             yield 0, self.batches[i % len(self.batches)]
