@@ -412,6 +412,9 @@ def document_causal_mask(doc_ids, dtype):
     return mask.masked_fill_(~allowed, torch.finfo(dtype).min)[:, None]
 
 
+TARGET_INPUTS = ("input_ids", "position_ids", "doc_ids")  # what the target stage reads of a batch
+
+
 class TargetReplica:
     """A frozen target on one device. With --compile its fixed-shape forward is captured once
     as a CUDA graph, so the main thread issues a few calls per batch instead of thousands."""
@@ -431,32 +434,32 @@ class TargetReplica:
 
     @torch.no_grad()
     def features(self, batch):
-        keys = ("input_ids", "position_ids", "doc_ids")
+        """Features of a batch (a dict holding at least the forward's three inputs)."""
         if self.graph is None:
-            return self.forward(*(batch[k].to(self.device, non_blocking=True) for k in keys))
-        for buf, k in zip(self.static_in, keys):
+            return self.forward(**{k: batch[k].to(self.device, non_blocking=True) for k in TARGET_INPUTS})
+        for k, buf in self.static_in.items():
             buf.copy_(batch[k], non_blocking=True)
         self.graph.replay()
         return self.static_out  # overwritten by the next replay: the caller copies it
 
-    def synthetic_inputs(self, rows, length):
+    def synthetic_batch(self, rows, length):
         dev = self.device
-        return [torch.randint(0, dm.text_config(self.model.config).vocab_size, (rows, length), device=dev),
-                torch.arange(length, device=dev).repeat(rows, 1),
-                torch.zeros(rows, length, dtype=torch.long, device=dev)]
+        return {"input_ids": torch.randint(0, dm.text_config(self.model.config).vocab_size, (rows, length), device=dev),
+                "position_ids": torch.arange(length, device=dev).repeat(rows, 1),
+                "doc_ids": torch.zeros(rows, length, dtype=torch.long, device=dev)}
 
     @torch.no_grad()
     def capture(self, rows, length):
-        self.static_in = self.synthetic_inputs(rows, length)
+        self.static_in = self.synthetic_batch(rows, length)
         side = torch.cuda.Stream(self.device)
         side.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(side):
             for _ in range(2):
-                self.forward(*self.static_in)
+                self.forward(**self.static_in)
         torch.cuda.current_stream(self.device).wait_stream(side)
         self.graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(self.graph, stream=side, capture_error_mode="thread_local"):
-            self.static_out = self.forward(*self.static_in)
+            self.static_out = self.forward(**self.static_in)
         torch.cuda.synchronize(self.device)
 
 
@@ -483,10 +486,11 @@ def warm_up_target(replicas, args, log):
                 with COMPILE_LOCK:
                     r.capture(rows, args.max_length)
             else:
-                r.features(dict(zip(("input_ids", "position_ids", "doc_ids"), r.synthetic_inputs(rows, args.max_length))))
+                r.features(r.synthetic_batch(rows, args.max_length))
         except torch.cuda.OutOfMemoryError:
+            r.graph = r.static_in = None  # a capture cut short: measure one row eagerly
             fits, per_row = budget_that_fits(r.device, args.max_length,
-                                             lambda: r.forward(*r.synthetic_inputs(1, args.max_length)))
+                                             lambda: r.features(r.synthetic_batch(1, args.max_length)))
             raise UsageError(f"--token-budget {args.token_budget} does not fit the target stage on {r.device} "
                              f"({per_row / 2**30:.1f} GB per row of {args.max_length}); the largest that fits is "
                              f"about --token-budget {fits}") from None

@@ -104,7 +104,7 @@ def main(argv=None):
         s["replicas"], s["embed"], s["head"] = tp.load_target(args.target_model, s["targets"], args.layer_ids, s["log"])
         rows = args.token_budget // args.max_length
         for r in s["replicas"]:
-            out = r.features(dict(zip(("input_ids", "position_ids", "doc_ids"), r.synthetic_inputs(rows, args.max_length))))
+            out = r.features(r.synthetic_batch(rows, args.max_length))
             if not torch.isfinite(out).all():
                 raise CheckFailed(f"target on {r.device} produced non-finite features")
         return f"{len(s['replicas'])} replica(s) ran one {rows} x {args.max_length} batch"
