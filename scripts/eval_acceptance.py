@@ -25,7 +25,8 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import dflash_model as dm  # noqa: E402
-from scripts.builtin_assets import BUILTIN_DATA, builtin_model_dir, mtbench_questions  # noqa: E402
+import train_dflash_pipeline as tp  # noqa: E402
+from scripts.builtin_assets import BUILTIN_DATA, mtbench_file  # noqa: E402
 
 
 def read_prompts(path):
@@ -40,10 +41,12 @@ def read_prompts(path):
                 turns = list(row["turns"])
             elif "prompt" in row:
                 turns = [row["prompt"]]
-            elif "messages" in row:
-                turns = [m["content"] for m in row["messages"] if m.get("role") == "user"]
-            elif "conversations" in row:
-                turns = [m["value"] for m in row["conversations"] if m.get("from") in ("human", "user")]
+            elif "messages" in row or "conversations" in row:
+                try:
+                    messages = tp.row_to_messages(row, require_assistant=False)
+                except tp.BadRow as e:
+                    raise ValueError(f"{path}:{lineno}: {e}") from None
+                turns = [m["content"] for m in messages if m["role"] == "user"]
             else:
                 raise ValueError(f"{path}:{lineno}: no prompt, turns, messages or conversations")
             if turns:
@@ -57,7 +60,7 @@ def heldout_prompts(args, tokenizer, n):
     if getattr(args, "eval_data", None):
         prompts = read_prompts(args.eval_data)
     elif args.data == [BUILTIN_DATA]:
-        prompts = mtbench_questions()
+        prompts = read_prompts(mtbench_file())
     else:
         return []
     if n <= 0:
@@ -194,14 +197,12 @@ def main(argv=None):
     p.add_argument("--device", default="cuda:0" if torch.cuda.is_available() else "cpu")
     p.add_argument("--max-new-tokens", type=int, default=256)
     args = p.parse_args(argv)
-    prompts = read_prompts(args.prompts) if args.prompts else mtbench_questions()
+    prompts = read_prompts(args.prompts or mtbench_file())
     if args.single_turn:
         prompts = [(c, t[:1]) for c, t in prompts]
     prompts = prompts[:args.num_prompts]
-    target_path = args.target_model
-    if target_path.startswith("builtin:"):
-        target_path = builtin_model_dir(target_path)
-    report = evaluate(target_path, args.drafter, prompts, args.device, args.max_new_tokens)
+    report = evaluate(tp.resolve_model_path(args.target_model), args.drafter, prompts, args.device,
+                      args.max_new_tokens)
     print(json.dumps({k: v for k, v in report.items() if k != "mismatches"}, indent=1))
     if not report["lossless"]:
         print(f"FAILED: {len(report['mismatches'])} speculative outputs differ from target greedy decoding: "

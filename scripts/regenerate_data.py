@@ -23,6 +23,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import train_dflash_pipeline as tp  # noqa: E402
+from scripts.eval_acceptance import load_target  # noqa: E402
 
 
 def read_todo(path, done):
@@ -102,7 +103,7 @@ def main(argv=None):
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
     from tqdm import tqdm
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
     torch.manual_seed(args.seed)
     path = tp.resolve_model_path(args.target_model)
     devices = tp.parse_devices(args.gpus) if args.gpus else (
@@ -118,8 +119,7 @@ def main(argv=None):
 
     def replica(dev):
         try:
-            dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
-            model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(dev).eval()
+            model = load_target(path, dev)
             while not errors:
                 try:
                     batch = batches.get_nowait()
