@@ -666,7 +666,6 @@ class DrafterWorker:
             rank, device, drafter, args, averager, run
         # Rank among all the workers of all the machines: it picks this worker's anchors.
         self.global_rank = averager.cluster.rank * averager.num_workers + rank
-        self.is_last = self.global_rank == averager.cluster.world_size * averager.num_workers - 1
         self.queue = queue.Queue(maxsize=args.queue_depth)
         self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         params = list(drafter.parameters())
@@ -843,7 +842,9 @@ class DrafterWorker:
                 for v in batch.values():
                     v.record_stream(self.stream)
             step += 1
-            if self.args.fault_inject_step == step and self.is_last:
+            if self.args.fault_inject_step == step and \
+                    self.global_rank == self.averager.cluster.world_size * self.averager.num_workers - 1:
+                # tests: the last worker of all (another machine's, over several) fails here
                 raise RuntimeError(f"fault injected at step {step}")
             loss, stats = self.train_step(step, batch)
             self.stats = stats if self.stats is None else self.stats + stats
@@ -1282,13 +1283,10 @@ def prepare_data(args, tc, log):
 def train(args):
     target_devices, drafter_devices, tc = resolve_settings(args)
     cluster = Cluster.from_env(drafter_devices, args.dist_timeout)
-    rc = 1
-    try:
-        rc = train_on(args, cluster, target_devices, drafter_devices, tc)
-        return rc
-    finally:
-        if rc == 0:  # after a failure a collective may still wait in a worker thread: exiting tears it down
-            cluster.close()
+    rc = train_on(args, cluster, target_devices, drafter_devices, tc)
+    if rc == 0:  # after a failure a collective may still wait in a worker thread: exiting tears it down
+        cluster.close()
+    return rc
 
 
 def train_on(args, cluster, target_devices, drafter_devices, tc):

@@ -181,8 +181,8 @@ def kernel_category(name):
 
 
 def profile_kernels(step, device, path, report, steps=3):
-    """GPU time per kernel over a few steps of the compiled step (no graph: kernels stay visible),
-    by category and the 40 largest, written to `path`."""
+    """GPU time per kernel over a few steps of the compiled step (no graph: kernels stay visible):
+    by category, and the 40 largest, written to `path`."""
     from torch.profiler import ProfilerActivity, profile
     for s in range(2):
         step(s)
@@ -205,12 +205,6 @@ def profile_kernels(step, device, path, report, steps=3):
         lines.append(f"  {time_of(e) / steps / 1e3:8.2f} {e.count // steps:5d}  {e.key[:150]}")
     for l in lines[:len(by_cat) + 1]:
         report(l)
-    for sort_by in ("self_device_time_total", "self_cuda_time_total"):
-        try:
-            lines += ["", prof.key_averages().table(sort_by=sort_by, row_limit=60, max_name_column_width=120)]
-            break
-        except Exception:  # the sort key's name differs between torch versions
-            continue
     with open(path, "w") as f:
         f.write("\n".join(lines) + "\n")
 
