@@ -11,10 +11,8 @@ import torch
 from safetensors.torch import load_file
 
 from conftest import write_jsonl
-from test_pipeline import ROOT, chat_rows
+from test_pipeline import ROOT, SCRIPT, chat_rows, pipeline_args
 
-COMMON = ["--max-length", "128", "--token-budget", "256", "--num-anchors", "16", "--block-size", "4",
-          "--num-draft-layers", "2", "--lr", "1e-2", "--eval-prompts", "0", "--target-gpus", "cpu"]
 # One intra-op thread everywhere, so a matmul sums in the same order in every process.
 ENV = dict(os.environ, OMP_NUM_THREADS="1")
 
@@ -22,8 +20,7 @@ ENV = dict(os.environ, OMP_NUM_THREADS="1")
 def command(out, model_dir, data, processes, *extra):
     launcher = ([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(processes)]
                 if processes > 1 else [sys.executable])
-    return launcher + [os.path.join(ROOT, "train_dflash_pipeline.py"), "--target-model", model_dir, "--data", data,
-                       "--output-dir", str(out), "--cache-dir", str(out.parent / "cache"), *COMMON, *extra]
+    return launcher + [SCRIPT, *pipeline_args(out, model_dir, data, "--target-gpus", "cpu", *extra)]
 
 
 def start(out, model_dir, data, processes, *extra, **popen):

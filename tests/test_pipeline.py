@@ -29,11 +29,18 @@ def chat_rows(n, seed=0):
     return rows
 
 
+SCRIPT = os.path.join(ROOT, "train_dflash_pipeline.py")
+
+
+def pipeline_args(out, model_dir, data, *extra):
+    """A small run of the tiny target into `out` (later flags in `extra` win)."""
+    return ["--target-model", model_dir, "--data", data, "--output-dir", str(out), "--cache-dir",
+            str(out.parent / "cache"), "--max-length", "128", "--token-budget", "256", "--num-anchors", "16",
+            "--block-size", "4", "--num-draft-layers", "2", "--lr", "1e-2", "--eval-prompts", "0", *extra]
+
+
 def run_cli(tmp_path, model_dir, data, *extra, timeout=600):
-    cmd = [sys.executable, os.path.join(ROOT, "train_dflash_pipeline.py"), "--target-model", model_dir,
-           "--data", data, "--output-dir", str(tmp_path / "out"), "--cache-dir", str(tmp_path / "cache"),
-           "--max-length", "128", "--token-budget", "256", "--num-anchors", "16", "--block-size", "4",
-           "--num-draft-layers", "2", "--lr", "1e-2", "--eval-prompts", "0", *extra]
+    cmd = [sys.executable, SCRIPT, *pipeline_args(tmp_path / "out", model_dir, data, *extra)]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
 
 
@@ -202,11 +209,9 @@ def test_eval_interval_logs_measured_acceptance_next_to_tau_hat(tmp_path, tiny_m
 def test_sigterm_saves_and_exits_cleanly(tmp_path, tiny_model_dir):
     import signal
     data = write_jsonl(tmp_path / "d.jsonl", chat_rows(40))
-    cmd = [sys.executable, os.path.join(ROOT, "train_dflash_pipeline.py"), "--target-model", tiny_model_dir,
-           "--data", data, "--output-dir", str(tmp_path / "out"), "--cache-dir", str(tmp_path / "cache"),
-           "--max-length", "128", "--token-budget", "256", "--num-anchors", "16", "--block-size", "4",
-           "--num-draft-layers", "1", "--max-steps", "100000", "--log-interval", "1", "--save-interval", "100000",
-           "--target-gpus", "cpu", "--drafter-gpus", "cpu,cpu", "--eval-prompts", "0"]
+    cmd = [sys.executable, SCRIPT, *pipeline_args(
+        tmp_path / "out", tiny_model_dir, data, "--num-draft-layers", "1", "--lr", "6e-4", "--max-steps", "100000",
+        "--log-interval", "1", "--save-interval", "100000", "--target-gpus", "cpu", "--drafter-gpus", "cpu,cpu")]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT)
     for line in proc.stdout:
         if "step 5/" in line:
@@ -229,11 +234,9 @@ def test_non_finite_loss_stops_naming_the_step(tmp_path, tiny_model_dir, monkeyp
         calls.append(1)
         return (loss * float("nan") if len(calls) == 5 else loss), stats
     monkeypatch.setattr(dm.DFlashDraftModel, "forward", poisoned)
-    args = ["--target-model", tiny_model_dir, "--data", data, "--output-dir", str(tmp_path / "o"),
-            "--cache-dir", str(tmp_path / "c"), "--max-length", "128", "--token-budget", "256",
-            "--num-anchors", "16", "--block-size", "4", "--num-draft-layers", "1", "--max-steps", "12",
-            "--target-gpus", "cpu", "--drafter-gpus", "cpu", "--eval-prompts", "0", "--log-interval", "3",
-            "--save-interval", "3"]
+    args = pipeline_args(tmp_path / "o", tiny_model_dir, data, "--num-draft-layers", "1", "--lr", "6e-4",
+                         "--max-steps", "12", "--target-gpus", "cpu", "--drafter-gpus", "cpu", "--log-interval", "3",
+                         "--save-interval", "3")
     assert tp.main(args) == 1
     assert tp.checkpoint_steps(str(tmp_path / "o")) == [3]  # nothing saved from step 5 on
     log = (tmp_path / "o" / "train.log").read_text()
