@@ -270,11 +270,11 @@ def drafter_beside_target(a, cfg, replica, drafter_device, embed, head, features
     b = synthetic_batch(a, cfg.vocab_size, drafter_device, features_dim=features_dim)
     tb = synthetic_batch(a, cfg.vocab_size, replica.device)
     out = {}
+    eager_target = tp.TargetReplica(replica.model, replica.layer_ids, replica.device)  # no graph: many Python calls
     for label, busy, interval in (("alone", False, 1e-4), ("target eager beside, switch 5ms", True, 5e-3),
                                   ("target eager beside, switch 0.1ms", True, 1e-4)):
         sys.setswitchinterval(interval)
         stop = threading.Event()
-        eager_target = tp.TargetReplica(replica.model, replica.layer_ids, replica.device)
 
         def target_loop():
             while not stop.is_set():
