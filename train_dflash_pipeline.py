@@ -604,20 +604,22 @@ class GradAverager:
         self.barrier = threading.Barrier(num_workers, action=self._average) if num_workers > 1 else None
 
     def _average(self):
-        dev0 = self.buffers[0].device
-        total = self.buffers[0].clone()
+        n, dev0 = self.buffers[0].numel(), self.buffers[0].device
+        # One slot more than the gradients: the stop vote rides in the same reduction.
+        total = torch.empty(n + 1, device=dev0, dtype=self.buffers[0].dtype)
+        total[:n].copy_(self.buffers[0])
+        total[n] = float(self.stop_requested())
         for b in self.buffers[1:]:
-            total += b.to(dev0)
+            total[:n] += b.to(dev0)
         self.cluster.all_reduce_(total)
-        total /= self.num_workers * self.cluster.world_size
+        total[:n] /= self.num_workers * self.cluster.world_size
         for b in self.buffers:
-            b.copy_(total)
+            b.copy_(total[:n])
         for b in self.buffers:
             if b.device.type == "cuda":
                 torch.cuda.synchronize(b.device)
         if self.cluster.world_size > 1:
-            vote = torch.tensor([1 if self.stop_requested() else 0])
-            self.stop_agreed = bool(self.cluster.all_reduce_(vote, "max")[0])
+            self.stop_agreed = bool(total[n] > 0)
 
     def average(self, rank, flat_grad):
         if not self.active:
