@@ -223,6 +223,23 @@ def sdpa_attend(mask):
 
 _compiled_flex = None
 
+# flex_attention's backward on Hopper (sm90) at head_dim 128: inductor's default block config
+# (64/128/128/64, 3 stages, 8 warps) took 11.1 ms per layer at the benchmark's shapes, 2 stages
+# 7.2 ms, with bitwise the same outputs and gradients (docs/benchmarks.md, third session).
+SM90_FLEX_BACKWARD = {"bwd_BLOCK_M1": 64, "bwd_BLOCK_N1": 128, "bwd_BLOCK_M2": 128, "bwd_BLOCK_N2": 64,
+                      "bwd_num_stages": 2, "bwd_num_warps": 8}
+
+
+@torch.compiler.assume_constant_result  # read once while tracing a compiled step, not traced
+def cuda_capability(device: str):
+    return torch.cuda.get_device_capability(device)
+
+
+def flex_kernel_options(device, head_dim):
+    if device.type == "cuda" and head_dim == 128 and cuda_capability(str(device)) == (9, 0):
+        return SM90_FLEX_BACKWARD
+    return None
+
 
 def flex_attend(anchors, doc_ids, block_size):
     """flex_attention over a block-sparse mask built from the same predicate (GPU path). Inside a
@@ -235,10 +252,10 @@ def flex_attend(anchors, doc_ids, block_size):
     def mask_mod(b, h, q_idx, kv_idx):
         return block_visible(q_idx, kv_idx, anchors[b], doc_ids[b], L, block_size)
 
-    compiling = torch.compiler.is_compiling()
-    block_mask = create_block_mask(mask_mod, B, None, A * block_size, L + A * block_size,
-                                   device=anchors.device, _compile=not compiling)
-    if compiling:
+    # Outside a compiled step the mask is built uncompiled: 0.01 s a step at the benchmark's shapes on an H200, where
+    # compiling it (create_block_mask's _compile) cost 153 s at start-up (docs/benchmarks.md).
+    block_mask = create_block_mask(mask_mod, B, None, A * block_size, L + A * block_size, device=anchors.device)
+    if torch.compiler.is_compiling():
         attn = flex_attention
     else:
         if _compiled_flex is None:
@@ -246,7 +263,8 @@ def flex_attend(anchors, doc_ids, block_size):
         attn = _compiled_flex
 
     def attend(q, k, v):
-        return attn(q, k, v, block_mask=block_mask, enable_gqa=True)
+        return attn(q, k, v, block_mask=block_mask, enable_gqa=True,
+                    kernel_options=flex_kernel_options(q.device, q.shape[-1]))
     return attend
 
 
