@@ -1,4 +1,5 @@
 """GPU-only checks of the compiled, CUDA-graphed drafter step (skipped without CUDA)."""
+import threading
 import types
 
 import pytest
@@ -106,6 +107,35 @@ def test_resumed_optimizer_follows_the_schedule():
     assert resumed.optimizer.param_groups[0]["lr"] is resumed.lr
     for p, q in zip(whole.drafter.parameters(), resumed.drafter.parameters()):
         assert torch.equal(p, q)
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_two_gpu_workers_average_gradients_and_stay_identical():
+    averager = tp.GradAverager(2)
+    grads = [torch.randn(1000, generator=torch.Generator().manual_seed(i)) for i in range(2)]
+    averager.buffers = [g.to(f"cuda:{i}") for i, g in enumerate(grads)]
+    averager._average()
+    for b in averager.buffers:
+        torch.testing.assert_close(b.cpu(), (grads[0] + grads[1]) / 2)
+
+    workers = [make_worker(compile=True, device=f"cuda:{i}", rank=i, averager=averager) for i in range(2)]
+    for w in workers:
+        with torch.cuda.stream(w.stream):
+            w.capture(ROWS, 2048)
+    data = [batches(10, device=f"cuda:{i}", seed=5 + i) for i in range(2)]
+    losses = [None, None]
+
+    def train(i):
+        losses[i] = run_steps(workers[i], data[i])
+    threads = [threading.Thread(target=train, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=300)
+    assert all(l is not None for l in losses)
+    assert not torch.equal(losses[0], losses[1])  # different batches, one averaged gradient:
+    for p, q in zip(workers[0].drafter.parameters(), workers[1].drafter.parameters()):
+        assert torch.equal(p.cpu(), q.cpu())  # the replicas stay identical
 
 
 def test_peak_memory_flat_over_500_steps():
