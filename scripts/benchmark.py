@@ -127,9 +127,22 @@ def time_cuda(fn, n, device):
     return (time.perf_counter() - t0) / n
 
 
-def drafter_step_times(a, cfg, device, embed, head, features_dim, report):  # noqa: C901
+def drafter_worker(a, cfg, device, embed, head, features_dim, compile, rank=0, averager=None):
+    args = make_args(a, compile=compile)
+    d = build_drafter(cfg, a, device, embed, head)
+    return tp.DrafterWorker(rank, torch.device(device), d, args, averager or tp.GradAverager(1),
+                            fake_run(args, features_dim))
+
+
+def capture(w, a, features_dim):
+    with torch.cuda.stream(w.stream):
+        w.capture(a.rows, features_dim)
+
+
+def drafter_step_times(a, cfg, device, embed, head, features_dim, report):
     """Eager, compiled (no graph) and compiled+graph drafter step times on one device; the
-    compiled and graphed timings use one worker (compiled once, then captured)."""
+    compiled and graphed timings use one worker (compiled once, then captured), which is
+    returned for the later sections (None without the compiled mode)."""
     batch = synthetic_batch(a, cfg.vocab_size, device, features_dim=features_dim)
     out = {}
 
@@ -149,20 +162,26 @@ def drafter_step_times(a, cfg, device, embed, head, features_dim, report):  # no
         out[mode] = {"step_s": t, "warmup_s": warm, "peak_gb": torch.cuda.max_memory_allocated(device) / 2**30}
         report(f"drafter {mode:9s}: {t * 1e3:8.1f} ms/step  (warm-up {warm:.0f}s, peak {out[mode]['peak_gb']:.1f} GB)")
 
+    graphed = None
     for compile in [m == "compiled" for m in a.step_modes.split(",")]:
-        args = make_args(a, compile=compile)
-        d = build_drafter(cfg, a, device, embed, head)
-        w = tp.DrafterWorker(0, torch.device(device), d, args, tp.GradAverager(1), fake_run(args, features_dim))
-        warm_steps = lambda: [w.train_step(s + 1, batch) for s in range(3)]
+        w = drafter_worker(a, cfg, device, embed, head, features_dim, compile)
+
+        def warm_steps():  # the first compiles: its time is the compile cost
+            for s in range(3):
+                t0 = time.perf_counter()
+                w.train_step(s + 1, batch)
+                torch.cuda.synchronize(device)
+                report(f"  warm-up step {s + 1}: {time.perf_counter() - t0:.1f}s")
         measure("compiled" if compile else "eager", w, warm_steps)
         if compile and a.profile:
             with torch.cuda.stream(w.stream):
                 profile_kernels(lambda s: w.train_step(1000 + s, batch), device, a.profile, report)
         if compile:
             measure("graph", w, lambda: w.capture(a.rows, features_dim))
-        del w, d
+            graphed = w
+        del w
         torch.cuda.empty_cache()
-    return out
+    return out, graphed
 
 
 def kernel_category(name):
@@ -222,52 +241,43 @@ def target_batch_times(a, replica, report):
     return out
 
 
-def drafter_threads_scaling(a, cfg, devices, embed, head, features_dim, report, steps):
-    """Graphed drafter steps/s with one worker thread, then one per device, gradient averaging
-    included; no target, batches resident on each device."""
+def drafter_threads_scaling(a, cfg, first, devices, embed, head, features_dim, report, steps):
+    """Graphed drafter steps/s with one worker thread (`first`, already captured), then one per
+    device, gradient averaging included; no target, batches resident on each device."""
     results = {}
+    averager = tp.GradAverager(len(devices))
+    workers = [first] + [drafter_worker(a, cfg, dev, embed, head, features_dim, True, rank, averager)
+                         for rank, dev in enumerate(devices[1:], 1)]
+    batches = [synthetic_batch(a, cfg.vocab_size, w.device, features_dim=features_dim) for w in workers]
     for n in (1, len(devices)):
-        if n in results:
-            continue
-        args = make_args(a, compile=True)
-        averager = tp.GradAverager(n)
-        workers = []
-        for rank, dev in enumerate(devices[:n]):
-            d = build_drafter(cfg, a, dev, embed, head)
-            workers.append(tp.DrafterWorker(rank, torch.device(dev), d, args, averager, fake_run(args, features_dim)))
-        for w in workers:
-            with torch.cuda.stream(w.stream):
-                w.capture(a.rows, features_dim)
-        batches = [synthetic_batch(a, cfg.vocab_size, w.device, features_dim=features_dim) for w in workers]
+        if n > 1:  # recapture the first worker around the averaging, then capture the others
+            first.graphs = first.static = first.static_out = None
+            first.averager = averager
+            gc.collect()
+            torch.cuda.empty_cache()
+            for w in workers:
+                capture(w, a, features_dim)
 
         def loop(w, b):
             with torch.cuda.stream(w.stream):
                 for s in range(steps):
                     w.train_step(s + 1, b)
                 torch.cuda.synchronize(w.device)
-        threads = [threading.Thread(target=loop, args=(w, b)) for w, b in zip(workers, batches)]
+        threads = [threading.Thread(target=loop, args=(w, b)) for w, b in zip(workers[:n], batches)]
         t0 = time.perf_counter()
         for t in threads:
             t.start()
         for t in threads:
             t.join()
-        dt = time.perf_counter() - t0
-        results[n] = n * steps / dt
-        report(f"drafter threads x{n}: {results[n]:.2f} steps/s (averaging every step)")
-        del workers, threads, batches, w, d  # free the captured graphs' memory pools
-        gc.collect()
-        torch.cuda.empty_cache()
+        results[n] = n * steps / (time.perf_counter() - t0)
+        report(f"drafter threads x{n}: {results[n]:.2f} steps/s" + (" (averaging every step)" if n > 1 else ""))
     return results
 
 
-def drafter_beside_target(a, cfg, replica, drafter_device, embed, head, features_dim, report, steps):
-    """Graphed drafter step time alone, and while the main thread runs eager target forwards."""
-    args = make_args(a, compile=True)
-    d = build_drafter(cfg, a, drafter_device, embed, head)
-    w = tp.DrafterWorker(0, torch.device(drafter_device), d, args, tp.GradAverager(1), fake_run(args, features_dim))
-    with torch.cuda.stream(w.stream):
-        w.capture(a.rows, features_dim)
-    b = synthetic_batch(a, cfg.vocab_size, drafter_device, features_dim=features_dim)
+def drafter_beside_target(a, cfg, w, replica, features_dim, report, steps):
+    """Step time of the graphed drafter worker `w` alone, and while the main thread runs eager
+    target forwards."""
+    b = synthetic_batch(a, cfg.vocab_size, w.device, features_dim=features_dim)
     tb = synthetic_batch(a, cfg.vocab_size, replica.device)
     out = {}
     eager_target = tp.TargetReplica(replica.model, replica.layer_ids, replica.device)  # no graph: many Python calls
@@ -297,8 +307,6 @@ def drafter_beside_target(a, cfg, replica, drafter_device, embed, head, features
         out[label] = times[len(times) // 2]
         report(f"drafter step {label:36s}: {out[label] * 1e3:7.1f} ms (median)")
     sys.setswitchinterval(1e-4)
-    del w, d
-    torch.cuda.empty_cache()
     return out
 
 
@@ -413,7 +421,7 @@ def main():
     if n_gpu == 0:
         raise SystemExit("benchmark.py needs a CUDA GPU")
     a.preset = a.preset or ("qwen3-8b" if n_gpu >= 2 else "small")
-    a.rows = a.rows or (2 if a.preset == "qwen3-8b" else 1)
+    a.rows = a.rows or (4 if a.preset == "qwen3-8b" else 1)  # 4 x 3072: the largest that fits an H200
     skip = set(a.skip.split(","))
     from transformers import Qwen3Config
     cfg = Qwen3Config(**PRESETS[a.preset])
@@ -427,9 +435,14 @@ def main():
     features_dim = len(layer_ids) * cfg.hidden_size
     lines = []
 
+    started = time.perf_counter()
+
     def report(s):
         print(s, flush=True)
         lines.append(s)
+
+    def section(name):
+        report(f"[{time.perf_counter() - started:4.0f}s] {name}")
 
     report(f"# {time.strftime('%Y-%m-%d %H:%M')} {torch.cuda.get_device_name(0)} x{n_gpu}, torch {torch.__version__}")
     report(f"preset {a.preset}: batch {a.rows} x {a.max_length} tokens, {a.anchors} anchors/row x block {a.block}, "
@@ -449,8 +462,10 @@ def main():
         n_params = dm.DFlashDraftModel(dm.make_drafter_config(cfg, cfg.vocab_size - 1, a.draft_layers, a.block)).num_parameters()
     report(f"drafter params: {n_params / 1e9:.3f}B")
 
+    graphed = None  # the step section's captured worker: the beside and scaling sections reuse it
     if "step" not in skip:  # first: it compiles, and later sections reuse the compile caches
-        st = drafter_step_times(a, cfg, drafter_dev, embed, head, features_dim, report)
+        section("step")
+        st, graphed = drafter_step_times(a, cfg, drafter_dev, embed, head, features_dim, report)
         results["drafter"] = st
         for k, v in st.items():
             report(f"  drafter {k}: {tokens / v['step_s']:,.0f} tokens/s, MFU {d_flops / v['step_s'] / PEAK_FLOPS:.1%}")
@@ -458,19 +473,30 @@ def main():
             report(f"  compiled+graph vs eager: {st['eager']['step_s'] / st['graph']['step_s']:.2f}x; "
                    f"compiled vs eager {st['eager']['step_s'] / st['compiled']['step_s']:.2f}x")
     if "target" not in skip:
+        section("target")
         tt = target_batch_times(a, replica, report)
         results["target"] = tt
         for k, t in tt.items():
             report(f"  target {k}: {tokens / t:,.0f} tokens/s, MFU {t_flops * tokens / t / PEAK_FLOPS:.1%}")
     replica.graph = None  # its static buffers and pool: the later sections capture their own
     torch.cuda.empty_cache()
+    if ({"beside", "scaling"} - skip) and graphed is None:
+        graphed = drafter_worker(a, cfg, drafter_dev, embed, head, features_dim, compile=True)
+        capture(graphed, a, features_dim)
+    if "beside" not in skip:
+        section("beside")
+        results["beside"] = drafter_beside_target(a, cfg, graphed, replica, features_dim, report, 20)
     if "scaling" not in skip and n_gpu >= 2:
-        sc = drafter_threads_scaling(a, cfg, ["cuda:0", "cuda:1"], embed, head, features_dim, report, 30)
+        section("scaling")
+        other = "cuda:0" if drafter_dev != "cuda:0" else "cuda:1"
+        sc = drafter_threads_scaling(a, cfg, graphed, [drafter_dev, other], embed, head, features_dim, report, 30)
         results["scaling"] = sc
         report(f"  2 drafter threads vs 1: {sc[2] / sc[1]:.2f}x")
-    if "beside" not in skip:
-        results["beside"] = drafter_beside_target(a, cfg, replica, drafter_dev, embed, head, features_dim, report, 20)
+    graphed = None  # its graphs' memory: the pipeline builds its own workers
+    gc.collect()
+    torch.cuda.empty_cache()
     if "pipeline" not in skip:
+        section("pipeline")
         replicas = [replica] + [build_target(cfg, d, layer_ids) for d in target_devs[1:]]
         pipe = {}
         for compile in (False, True):
@@ -483,6 +509,7 @@ def main():
                    f"{tok_s * d_flops / tokens / (PEAK_FLOPS * len(drafter_devs)):.1%}")
         report(f"  pipeline compiled+graph vs eager: {pipe['graph'] / pipe['eager']:.2f}x")
         results["pipeline"] = pipe
+    report(f"[{time.perf_counter() - started:4.0f}s] benchmark done")
     if a.json:
         with open(a.json, "w") as f:
             json.dump({"results": results, "lines": lines}, f, indent=1, default=str)
