@@ -197,7 +197,7 @@ def block_visible(q_idx, kv_idx, anchors, doc_ids, seq_len, block_size):
     anchors [A] and doc_ids [seq_len] are one row's; q_idx/kv_idx are broadcastable index tensors.
     """
     blk = q_idx // block_size
-    anchor = anchors[blk]
+    anchor = anchors[blk.clamp(max=anchors.shape[-1] - 1)]  # a padded q_idx past the last block stays in range
     in_ctx = kv_idx < seq_len
     ctx_ok = (kv_idx < anchor) & (doc_ids[kv_idx.clamp(max=seq_len - 1)] == doc_ids[anchor])
     blk_ok = (kv_idx - seq_len) // block_size == blk
@@ -213,6 +213,52 @@ def dense_block_mask(anchors, doc_ids, block_size):
     kv = torch.arange(L + A * block_size, device=dev)[None, :]
     rows = [block_visible(q, kv, anchors[b], doc_ids[b], L, block_size) for b in range(B)]
     return torch.stack(rows)[:, None]
+
+
+def ordered_blocks(blocks):
+    """flex_attention's (num_blocks, indices) form of a [..., rows, cols] 0/1 block map: per row
+    the count of set columns, and the column indices, set ones first, each part ascending. The
+    same result as flex's stable argsort, by cumsum and scatter: a compiled argsort takes
+    minutes to compile (pytorch/pytorch#182060)."""
+    blocks = blocks.to(torch.int32)
+    num = blocks.sum(-1, dtype=torch.int32)
+    pos = torch.where(blocks.bool(), blocks.cumsum(-1) - 1, num[..., None] + (1 - blocks).cumsum(-1) - 1)
+    cols = torch.arange(blocks.shape[-1], device=blocks.device, dtype=torch.int32).expand_as(pos)
+    return num, torch.empty_like(cols).scatter_(-1, pos.long(), cols)
+
+
+def flex_block_mask(anchors, doc_ids, block_size, mask_mod, tile=128):
+    """The BlockMask create_block_mask(mask_mod) would give, without evaluating the rule at every
+    (query, key) pair: all slots of a block see the same keys, so the rule is evaluated once per
+    block (first slot) and per-tile counts follow from how blocks overlap query tiles. At the
+    benchmark's shapes: [4, 512, 11264] evaluations instead of [4, 8192, 11264], and no argsort."""
+    from torch.nn.attention.flex_attention import BlockMask
+    B, A = anchors.shape
+    L = doc_ids.shape[1]
+    Q, KV = A * block_size, L + A * block_size
+    n_q, n_kv = -(-Q // tile), -(-KV // tile)
+    dev = anchors.device
+    first_slot = torch.arange(A, device=dev)[:, None] * block_size
+    kv = torch.arange(n_kv * tile, device=dev)[None, :]
+    seen = torch.stack([block_visible(first_slot, kv.clamp(max=KV - 1), anchors[b], doc_ids[b], L, block_size)
+                        for b in range(B)]) & (kv < KV)                      # [B, A, n_kv * tile]
+    keys_per_tile = seen.view(B, A, n_kv, tile).sum(-1, dtype=torch.int32)  # [B, A, n_kv]
+    tile_start = torch.arange(n_q, device=dev)[:, None] * tile
+    queries = (torch.minimum(tile_start + tile, first_slot.T + block_size)
+               - torch.maximum(tile_start, first_slot.T)).clamp(min=0)      # [n_q, A]: block's queries in tile
+    # (query, key) pairs visible per tile, in integers: a matmul would run in bf16 under autocast
+    pairs = (queries.int()[None, :, :, None] * keys_per_tile[:, None]).sum(2)[:, None]  # [B, 1, n_q, n_kv]
+    full = pairs == tile * tile
+    partial = (pairs > 0) & ~full
+    kv_num, kv_idx = ordered_blocks(partial)
+    full_num, full_idx = ordered_blocks(full)
+    q_num, q_idx = ordered_blocks(partial.transpose(-2, -1))
+    full_q_num, full_q_idx = ordered_blocks(full.transpose(-2, -1))
+    mask = BlockMask.from_kv_blocks(kv_num, kv_idx, full_num, full_idx, BLOCK_SIZE=(tile, tile), mask_mod=mask_mod,
+                                    seq_lengths=(Q, KV), compute_q_blocks=False)
+    mask.q_num_blocks, mask.q_indices = q_num, q_idx
+    mask.full_q_num_blocks, mask.full_q_indices = full_q_num, full_q_idx
+    return mask
 
 
 def sdpa_attend(mask):
@@ -245,16 +291,15 @@ def flex_attend(anchors, doc_ids, block_size):
     """flex_attention over a block-sparse mask built from the same predicate (GPU path). Inside a
     torch.compile'd step both are traced into the step; eagerly, flex_attention runs compiled."""
     global _compiled_flex
-    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
-    B, A = anchors.shape
+    from torch.nn.attention.flex_attention import flex_attention
     L = doc_ids.shape[1]
 
     def mask_mod(b, h, q_idx, kv_idx):
         return block_visible(q_idx, kv_idx, anchors[b], doc_ids[b], L, block_size)
 
-    # Outside a compiled step the mask is built uncompiled: 0.01 s a step at the benchmark's shapes on an H200, where
-    # compiling it (create_block_mask's _compile) cost 153 s at start-up (docs/benchmarks.md).
-    block_mask = create_block_mask(mask_mod, B, None, A * block_size, L + A * block_size, device=anchors.device)
+    # Not create_block_mask: compiling it cost 153 s at start-up at the benchmark's shapes on an
+    # H200 (docs/benchmarks.md), in eager mode (its _compile) and traced into the compiled step.
+    block_mask = flex_block_mask(anchors, doc_ids, block_size, mask_mod)
     if torch.compiler.is_compiling():
         attn = flex_attention
     else:

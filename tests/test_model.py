@@ -74,6 +74,41 @@ def test_attention_rule_matches_brute_force():
                     assert bool(mask[b, q, j]) == want, (b, i, s, j)
 
 
+BLOCK_MASK_FIELDS = ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices",
+                     "q_num_blocks", "q_indices", "full_q_num_blocks", "full_q_indices")
+
+
+@pytest.mark.parametrize("B,L,A,bs", [(2, 3072, 512, 16), (1, 1000, 100, 16), (2, 128, 16, 4), (2, 700, 37, 10),
+                                      (1, 300, 20, 7)])
+def test_flex_block_mask_equals_create_block_mask(B, L, A, bs):
+    # Shapes where query/key lengths are and are not multiples of the 128 tile, blocks that do
+    # not divide it, several documents and padding (-1), full and partial tiles.
+    from torch.nn.attention.flex_attention import create_block_mask
+    g = torch.Generator().manual_seed(L)
+    doc = torch.zeros(B, L, dtype=torch.long)
+    for r in range(B):
+        cuts = sorted(torch.randint(1, L, (3,), generator=g).tolist())
+        for i, (s, e) in enumerate(zip([0] + cuts, cuts + [L])):
+            doc[r, s:e] = i
+        doc[r, -3:] = -1
+    anchors = torch.sort(torch.rand(B, L, generator=g).topk(A, dim=1).indices, dim=1).values
+
+    def mask_mod(b, h, q, kv):
+        return dm.block_visible(q, kv, anchors[b], doc[b], L, bs)
+    want = create_block_mask(mask_mod, B, None, A * bs, L + A * bs, device="cpu")
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # as in the training step: counts must stay exact
+        got = dm.flex_block_mask(anchors, doc, bs, mask_mod)
+    assert (got.seq_lengths, got.BLOCK_SIZE) == (want.seq_lengths, want.BLOCK_SIZE)
+    for f in BLOCK_MASK_FIELDS:
+        assert torch.equal(getattr(got, f), getattr(want, f)), f
+    assert got.mask_mod is mask_mod
+    if B == 2 and L == 128:  # traced as in the compiled step (fullgraph): the same tensors
+        build = torch.compile(lambda a, d: [getattr(dm.flex_block_mask(a, d, bs, mask_mod), f) for f in BLOCK_MASK_FIELDS],
+                              fullgraph=True, dynamic=False)
+        for f, t in zip(BLOCK_MASK_FIELDS, build(anchors, doc)):
+            assert torch.equal(t, getattr(want, f)), f
+
+
 @pytest.mark.parametrize("arch", ["qwen3", "llama"])
 def test_training_forward_matches_inference(arch):
     """The logits the training forward gives a block at anchor a equal those the inference path
