@@ -1,6 +1,6 @@
 """Where the first eager drafter step's start-up time goes, at the benchmark's Qwen3-8B shapes
-(4 x 3072 tokens) on cuda:1: create_block_mask eager vs compiled (first and second call), then
-the first eager step under cProfile.
+(4 x 3072 tokens) on cuda:1: create_block_mask and dflash_model.flex_block_mask, eager and
+compiled (first and second call), then the first eager step under cProfile.
 
     TORCHINDUCTOR_CACHE_DIR=/tmp/fresh python scripts/experiments/block_mask_compile_time.py"""
 import cProfile, os, pstats, sys, time
@@ -18,15 +18,17 @@ B, A, bs, L = 4, 512, 16, 3072
 doc = torch.zeros(B, L, dtype=torch.long, device=dev)
 anchors = torch.sort(torch.rand(B, L, device=dev).topk(A, dim=1).indices, dim=1).values
 mm = lambda b, h, q, kv: dm.block_visible(q, kv, anchors[b], doc[b], L, bs)
-for label, kw in (("create_block_mask eager", {}), ("create_block_mask _compile=True", {"_compile": True})):
-    t0 = time.perf_counter()
-    create_block_mask(mm, B, None, A * bs, L + A * bs, device=dev, **kw)
-    torch.cuda.synchronize()
-    print(f"{label}: first call {time.perf_counter() - t0:.1f}s", flush=True)
-    t0 = time.perf_counter()
-    create_block_mask(mm, B, None, A * bs, L + A * bs, device=dev, **kw)
-    torch.cuda.synchronize()
-    print(f"{label}: second call {time.perf_counter() - t0:.2f}s", flush=True)
+direct = torch.compile(lambda: dm.flex_block_mask(anchors, doc, bs, mm).kv_indices, fullgraph=True)
+for label, build in (("create_block_mask eager", lambda: create_block_mask(mm, B, None, A * bs, L + A * bs, device=dev)),
+                     ("create_block_mask _compile=True",
+                      lambda: create_block_mask(mm, B, None, A * bs, L + A * bs, device=dev, _compile=True)),
+                     ("flex_block_mask eager", lambda: dm.flex_block_mask(anchors, doc, bs, mm)),
+                     ("flex_block_mask compiled", direct)):
+    for call in ("first", "second"):
+        t0 = time.perf_counter()
+        build()
+        torch.cuda.synchronize()
+        print(f"{label}: {call} call {time.perf_counter() - t0:.2f}s", flush=True)
 
 class Args:
     pass
