@@ -1009,7 +1009,10 @@ class Run:
         if due_eval:
             self.evaluate_now(step, rec["tau_hat"])
         if due_save:
-            self.log(f"checkpoint: {save_checkpoint(a.output_dir, step, self.workers[0], step * self.num_workers, a)}")
+            self.save(step)
+
+    def save(self, step):
+        self.log(f"checkpoint: {save_checkpoint(self.args.output_dir, step, self.workers[0], step * self.num_workers, self.args)}")
 
     @property
     def num_workers(self):
@@ -1368,7 +1371,7 @@ def train_on(args, cluster, target_devices, drafter_devices, tc):
         run.log(f"done: {final_step} steps; the first machine saves the drafter")
         return 0
     if final_step not in checkpoint_steps(args.output_dir):  # interrupted between saves
-        run.log(f"checkpoint: {save_checkpoint(args.output_dir, final_step, run.workers[0], final_step * W, args)}")
+        run.save(final_step)
     final_dir = os.path.join(args.output_dir, "final")
     shutil.rmtree(final_dir, ignore_errors=True)
     run.workers[0].drafter.save_pretrained(final_dir, dtype=torch.bfloat16)
