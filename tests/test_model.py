@@ -109,6 +109,26 @@ def test_flex_block_mask_equals_create_block_mask(B, L, A, bs):
             assert torch.equal(t, getattr(want, f)), f
 
 
+def test_flex_attention_path_equals_dense_path():
+    # The GPU training path (flex_attention over flex_block_mask) against the CPU one (SDPA with
+    # the dense mask), forward only: flex_attention has no backward on CPU. Lengths off the
+    # 128 tile, full and partial tiles, three documents, blocks running past the row's end.
+    torch.manual_seed(0)
+    B, L, A, bs, H, KV, D = 2, 600, 64, 4, 4, 2, 32
+    doc = torch.zeros(B, L, dtype=torch.long)  # row 0: one document (it has full tiles)
+    doc[1, 400:] = 1
+    doc[1, 550:] = 2
+    anchors = torch.stack([torch.sort(torch.randperm(L - 1)[:A]).values for _ in range(B)])
+    anchors[:, -1] = L - 2
+    assert dm.flex_block_mask(anchors, doc, bs, None).full_kv_num_blocks.sum() > 0
+    f32 = torch.float32  # flex_attention on CPU takes no float64
+    q = torch.randn(B, A * bs, H, D, dtype=f32).transpose(1, 2)  # the layout DraftAttention hands over
+    k, v = torch.randn(2, B, KV, L + A * bs, D, dtype=f32)
+    flex = dm.flex_attend(anchors, doc, bs)(q, k, v)
+    dense = dm.sdpa_attend(dm.dense_block_mask(anchors, doc, bs))(q, k, v)
+    torch.testing.assert_close(flex, dense, atol=1e-5, rtol=1e-5)
+
+
 @pytest.mark.parametrize("arch", ["qwen3", "llama"])
 def test_training_forward_matches_inference(arch):
     """The logits the training forward gives a block at anchor a equal those the inference path
