@@ -12,7 +12,6 @@ Read top to bottom: config -> layers -> model -> training objective -> inference
 
 import inspect
 import json
-import math
 import os
 
 import torch

@@ -25,7 +25,6 @@ import sys
 import threading
 import time
 import traceback
-import warnings
 from contextlib import nullcontext
 
 import numpy as np

@@ -179,7 +179,7 @@ def drafter_step_times(a, cfg, device, embed, head, features_dim, report):
         if compile:
             measure("graph", w, lambda: w.capture(a.rows, features_dim))
             graphed = w
-        del w
+        w = None  # the eager worker's memory goes before the compiled one is built
         torch.cuda.empty_cache()
     return out, graphed
 

@@ -1,6 +1,5 @@
 """Small random-weight targets and a tokenizer the tests build themselves (nothing downloaded)."""
 import json
-import os
 
 import pytest
 import torch

@@ -10,7 +10,7 @@ import torch
 
 import dflash_model as dm
 import train_dflash_pipeline as tp
-from conftest import tiny_target, tiny_tokenizer, write_jsonl
+from conftest import tiny_tokenizer, write_jsonl
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WORDS = "the cat sat on a mat and then it ran to see the dog who was very happy".split()
