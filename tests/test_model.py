@@ -310,3 +310,19 @@ def test_training_step_compiles_fullgraph():
     loss, stats = step(feats, ids, mask, doc, pos, torch.rand(1, 32), num_anchors=8)
     loss.backward()
     assert torch.isfinite(loss) and drafter.fc.weight.grad is not None
+
+
+def test_flex_training_forward_compiles_fullgraph_and_matches_sdpa():
+    # The GPU step's attention path traced whole as in --compile (flex_block_mask and
+    # flex_attention inside the model), forward only: flex_attention has no backward on CPU.
+    torch._dynamo.reset()
+    target = tiny_target(dtype=torch.float32)
+    drafter = make_drafter(target).float().eval()
+    ids, doc, pos, feats = packed_row(target, drafter, [150, 90], pad=10)
+    feats, L = feats.float(), ids.shape[1]
+    mask, noise = (doc >= 0).float(), torch.rand(1, L, dtype=torch.float32)
+    with torch.no_grad():
+        want, _ = drafter(feats, ids, mask, doc, pos, noise, num_anchors=40, attention="sdpa")
+        step = torch.compile(drafter, fullgraph=True)
+        got, _ = step(feats, ids, mask, doc, pos, noise, num_anchors=40, attention="flex")
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
