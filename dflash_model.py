@@ -223,7 +223,7 @@ def ordered_blocks(blocks):
     num = blocks.sum(-1, dtype=torch.int32)
     pos = torch.where(blocks.bool(), blocks.cumsum(-1) - 1, num[..., None] + (1 - blocks).cumsum(-1) - 1)
     cols = torch.arange(blocks.shape[-1], device=blocks.device, dtype=torch.int32).expand_as(pos)
-    return num, torch.empty_like(cols).scatter_(-1, pos.long(), cols)
+    return num, torch.empty_like(pos, dtype=torch.int32).scatter_(-1, pos, cols)  # pos: a permutation per row
 
 
 def flex_block_mask(anchors, doc_ids, block_size, mask_mod, tile=128):
