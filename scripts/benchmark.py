@@ -271,6 +271,12 @@ def drafter_threads_scaling(a, cfg, first, devices, embed, head, features_dim, r
             t.join()
         results[n] = n * steps / (time.perf_counter() - t0)
         report(f"drafter threads x{n}: {results[n]:.2f} steps/s" + (" (averaging every step)" if n > 1 else ""))
+    t0 = time.perf_counter()  # the averaging between the two graphs, alone (it synchronizes every GPU)
+    for _ in range(10):
+        averager._average()
+    results["averaging_ms"] = (time.perf_counter() - t0) / 10 * 1e3
+    grad_gb = first.flat_grad.numel() * first.flat_grad.element_size() / 2**30
+    report(f"gradient averaging alone: {results['averaging_ms']:.1f} ms per step ({len(devices)} x {grad_gb:.1f} GB)")
     return results
 
 
