@@ -171,3 +171,37 @@ def test_pipeline_compiled_end_to_end(tmp_path, tiny_model_dir, layout):
         m = [json.loads(l) for l in f]
     assert m[-1]["loss"] < m[0]["loss"]
     assert os.path.exists(tmp_path / "o" / "final" / "model.safetensors")
+
+
+def test_flex_block_mask_on_gpu_equals_create_block_mask_forward_and_backward():
+    # The per-block BlockMask on the GPU, built eagerly and compiled (Triton), against
+    # create_block_mask's; then flex_attention's output and q/k/v gradients through each.
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+    from test_model import BLOCK_MASK_FIELDS
+    B, L, A, bs, H, KV, D = 2, 1000, 100, 16, 4, 2, 128  # query/key lengths off the 128 tile
+    g = torch.Generator().manual_seed(0)
+    doc = torch.zeros(B, L, dtype=torch.long)
+    doc[0, 600:], doc[1, 300:], doc[1, -5:] = 1, 1, -1
+    anchors = torch.sort(torch.rand(B, L, generator=g).topk(A, dim=1).indices, dim=1).values.cuda()
+    doc = doc.cuda()
+
+    def mask_mod(b, h, q, kv):
+        return dm.block_visible(q, kv, anchors[b], doc[b], L, bs)
+    want = create_block_mask(mask_mod, B, None, A * bs, L + A * bs, device="cuda")
+    eager = dm.flex_block_mask(anchors, doc, bs, mask_mod)
+    compiled = torch.compile(lambda: [getattr(dm.flex_block_mask(anchors, doc, bs, mask_mod), f)
+                                      for f in BLOCK_MASK_FIELDS], fullgraph=True)()
+    for f, c in zip(BLOCK_MASK_FIELDS, compiled):
+        assert torch.equal(getattr(eager, f), getattr(want, f)) and torch.equal(c, getattr(want, f)), f
+
+    attend = torch.compile(flex_attention, dynamic=False)
+    q0 = torch.randn(B, H, A * bs, D, generator=g).cuda().bfloat16()
+    k0, v0 = torch.randn(2, B, KV, L + A * bs, D, generator=g).cuda().bfloat16()
+    results = []
+    for mask in (want, eager):
+        q, k, v = (t.clone().requires_grad_() for t in (q0, k0, v0))
+        out = attend(q, k, v, block_mask=mask, enable_gqa=True)
+        out.float().square().sum().backward()
+        results.append([out, q.grad, k.grad, v.grad])
+    for a, b in zip(*results):
+        assert torch.equal(a, b)
