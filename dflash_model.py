@@ -203,15 +203,21 @@ def block_visible(q_idx, kv_idx, anchors, doc_ids, seq_len, block_size):
     return torch.where(in_ctx, ctx_ok, blk_ok)
 
 
+def visible_keys(anchors, doc_ids, block_size, num_keys):
+    """[B, A, num_keys]: the keys each block may attend to. Every slot of a block sees the same
+    keys (its anchor's context, then its own block), so one query per block decides; keys past
+    the last block (padding to whole tiles) are seen by none."""
+    A, L = anchors.shape[1], doc_ids.shape[1]
+    first_slot = torch.arange(A, device=anchors.device)[:, None] * block_size
+    kv = torch.arange(num_keys, device=anchors.device)[None, :]
+    return torch.stack([block_visible(first_slot, kv, anchors[b], doc_ids[b], L, block_size)
+                        for b in range(anchors.shape[0])])
+
+
 def dense_block_mask(anchors, doc_ids, block_size):
     """[B, 1, A*bs, L + A*bs] boolean mask (True = may attend)."""
-    B, A = anchors.shape
-    L = doc_ids.shape[1]
-    dev = anchors.device
-    q = torch.arange(A * block_size, device=dev)[:, None]
-    kv = torch.arange(L + A * block_size, device=dev)[None, :]
-    rows = [block_visible(q, kv, anchors[b], doc_ids[b], L, block_size) for b in range(B)]
-    return torch.stack(rows)[:, None]
+    A, L = anchors.shape[1], doc_ids.shape[1]
+    return visible_keys(anchors, doc_ids, block_size, L + A * block_size).repeat_interleave(block_size, 1)[:, None]
 
 
 def ordered_blocks(blocks):
@@ -236,15 +242,12 @@ def flex_block_mask(anchors, doc_ids, block_size, mask_mod, tile=128):
     L = doc_ids.shape[1]
     Q, KV = A * block_size, L + A * block_size
     n_q, n_kv = -(-Q // tile), -(-KV // tile)
-    dev = anchors.device
-    first_slot = torch.arange(A, device=dev)[:, None] * block_size
-    kv = torch.arange(n_kv * tile, device=dev)[None, :]
-    seen = torch.stack([block_visible(first_slot, kv.clamp(max=KV - 1), anchors[b], doc_ids[b], L, block_size)
-                        for b in range(B)]) & (kv < KV)                      # [B, A, n_kv * tile]
+    seen = visible_keys(anchors, doc_ids, block_size, n_kv * tile)         # [B, A, n_kv * tile]
     keys_per_tile = seen.view(B, A, n_kv, tile).sum(-1, dtype=torch.int32)  # [B, A, n_kv]
-    tile_start = torch.arange(n_q, device=dev)[:, None] * tile
-    queries = (torch.minimum(tile_start + tile, first_slot.T + block_size)
-               - torch.maximum(tile_start, first_slot.T)).clamp(min=0)      # [n_q, A]: block's queries in tile
+    tile_start = torch.arange(n_q, device=anchors.device)[:, None] * tile
+    block_start = torch.arange(A, device=anchors.device) * block_size
+    queries = (torch.minimum(tile_start + tile, block_start + block_size)
+               - torch.maximum(tile_start, block_start)).clamp(min=0)       # [n_q, A]: block's queries in tile
     # (query, key) pairs visible per tile, in integers: a matmul would run in bf16 under autocast
     pairs = (queries.int()[None, :, :, None] * keys_per_tile[:, None]).sum(2)[:, None]  # [B, 1, n_q, n_kv]
     full = pairs == tile * tile
