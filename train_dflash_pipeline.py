@@ -803,7 +803,9 @@ class DrafterWorker:
 
     def capture(self, rows, features_dim, warmup=3):
         """Compile, warm up, then capture the whole step. The warm-up runs with lr 0 and the
-        optimizer state is restored afterwards, so training starts from the state it was given."""
+        optimizer state is restored afterwards, so training starts from the state it was given.
+        A second call (another averager, say) replaces the first capture, whose memory goes first."""
+        self.graphs = self.static_out = None
         self.static = self.synthetic_inputs(rows, features_dim)
         state_tensors = lambda: [t for st in self.optimizer.state.values() for t in st.values()
                                  if isinstance(t, torch.Tensor)]

@@ -251,10 +251,7 @@ def drafter_threads_scaling(a, cfg, first, devices, embed, head, features_dim, r
     batches = [synthetic_batch(a, cfg.vocab_size, w.device, features_dim=features_dim) for w in workers]
     for n in (1, len(devices)):
         if n > 1:  # recapture the first worker around the averaging, then capture the others
-            first.graphs = first.static = first.static_out = None
             first.averager = averager
-            gc.collect()
-            torch.cuda.empty_cache()
             for w in workers:
                 capture(w, a, features_dim)
 
@@ -523,7 +520,7 @@ def main():
                    f"{tok_s * d_flops / tokens / (PEAK_FLOPS * len(drafter_devs)):.1%}")
         report(f"  pipeline compiled+graph vs eager: {pipe['graph'] / pipe['eager']:.2f}x")
         results["pipeline"] = pipe
-    report(f"[{time.perf_counter() - started:4.0f}s] benchmark done")
+    section("benchmark done")
     if a.json:
         with open(a.json, "w") as f:
             json.dump({"results": results, "lines": lines}, f, indent=1, default=str)
