@@ -153,7 +153,7 @@ def test_peak_memory_flat_over_500_steps():
 def test_pipeline_compiled_end_to_end(tmp_path, tiny_model_dir, layout):
     import json
     import os
-    from test_pipeline import chat_rows
+    from test_pipeline import chat_rows, pipeline_args
     from conftest import write_jsonl
     n = torch.cuda.device_count()
     t, d = {"shared": ("0", "0"), "one_target_two_drafters": ("0", "0,0" if n < 2 else "1,1"),
@@ -161,11 +161,8 @@ def test_pipeline_compiled_end_to_end(tmp_path, tiny_model_dir, layout):
     if layout == "one_plus_one" and n < 2:
         pytest.skip("needs 2 GPUs")
     data = write_jsonl(tmp_path / "d.jsonl", chat_rows(80))
-    rc = tp.main(["--target-model", tiny_model_dir, "--data", data, "--output-dir", str(tmp_path / "o"),
-                  "--cache-dir", str(tmp_path / "c"), "--max-length", "128", "--token-budget", "512",
-                  "--num-anchors", "16", "--block-size", "4", "--num-draft-layers", "2", "--max-steps", "20",
-                  "--log-interval", "5", "--lr", "1e-2", "--target-gpus", t, "--drafter-gpus", d, "--compile",
-                  "--eval-prompts", "0"])
+    rc = tp.main(pipeline_args(tmp_path / "o", tiny_model_dir, data, "--token-budget", "512", "--max-steps", "20",
+                               "--log-interval", "5", "--target-gpus", t, "--drafter-gpus", d, "--compile"))
     assert rc == 0
     with open(tmp_path / "o" / "metrics.jsonl") as f:
         m = [json.loads(l) for l in f]

@@ -76,10 +76,8 @@ def test_replicas_stay_identical(tmp_path, tiny_model_dir, monkeypatch):
         snapshots.append((step, [[p.detach().clone() for p in w.drafter.parameters()] for w in self.workers]))
         return orig(self, step)
     monkeypatch.setattr(tp.Run, "write_metrics", spy)
-    args = ["--target-model", tiny_model_dir, "--data", data, "--output-dir", str(tmp_path / "o"),
-            "--cache-dir", str(tmp_path / "c"), "--max-length", "128", "--token-budget", "256",
-            "--num-anchors", "16", "--block-size", "4", "--num-draft-layers", "1", "--max-steps", "4",
-            "--target-gpus", "cpu", "--drafter-gpus", "cpu,cpu", "--eval-prompts", "0", "--log-interval", "1"]
+    args = pipeline_args(tmp_path / "o", tiny_model_dir, data, "--num-draft-layers", "1", "--lr", "6e-4",
+                         "--max-steps", "4", "--target-gpus", "cpu", "--drafter-gpus", "cpu,cpu", "--log-interval", "1")
     assert tp.main(args) == 0
     assert [s[0] for s in snapshots] == [1, 2, 3, 4]
     for step, (p0, p1) in snapshots:
