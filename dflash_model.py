@@ -254,8 +254,9 @@ def flex_block_mask(anchors, doc_ids, block_size, mask_mod, tile=128):
     partial = (pairs > 0) & ~full
     kv_num, kv_idx = ordered_blocks(partial)
     full_num, full_idx = ordered_blocks(full)
-    q_num, q_idx = ordered_blocks(partial.transpose(-2, -1))
-    full_q_num, full_q_idx = ordered_blocks(full.transpose(-2, -1))
+    # flex's backward kernel reads q indices with unit stride along the last dim: contiguous
+    q_num, q_idx = ordered_blocks(partial.transpose(-2, -1).contiguous())
+    full_q_num, full_q_idx = ordered_blocks(full.transpose(-2, -1).contiguous())
     mask = BlockMask.from_kv_blocks(kv_num, kv_idx, full_num, full_idx, BLOCK_SIZE=(tile, tile), mask_mod=mask_mod,
                                     seq_lengths=(Q, KV), compute_q_blocks=False)
     mask.q_num_blocks, mask.q_indices = q_num, q_idx

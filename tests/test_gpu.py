@@ -19,12 +19,12 @@ def small_target_config():
                        num_attention_heads=8, num_key_value_heads=4, head_dim=128)
 
 
-def make_worker(compile, seed=0, device="cuda:0", rank=0, averager=None):
+def make_worker(compile, seed=0, device="cuda:0", rank=0, averager=None, attention="flex"):
     args = tp.build_parser().parse_args(["--max-length", str(LENGTH), "--token-budget", str(ROWS * LENGTH),
                                          "--num-anchors", "64", "--num-draft-layers", "2", "--lr", "3e-4"]
                                         + (["--compile"] if compile else []))
     tc = small_target_config()
-    args.layer_ids, args.attention = dm.default_target_layer_ids(8, 2), "flex"
+    args.layer_ids, args.attention = dm.default_target_layer_ids(8, 2), attention
     torch.manual_seed(seed)
     cfg = dm.make_drafter_config(tc, mask_token_id=31999, num_draft_layers=2, block_size=16)
     drafter = dm.DFlashDraftModel(cfg).to(device).train()
@@ -67,6 +67,26 @@ def run_steps(worker, data, first_step=1):
             losses.append(loss)
         torch.cuda.synchronize(worker.device)
     return torch.stack(losses).float().cpu()
+
+
+def test_flex_training_gradients_match_dense_sdpa():
+    # The GPU attention path (flex_attention over flex_block_mask; eager, and traced into the
+    # compiled step) against SDPA with the dense mask: loss and the whole flat gradient of one
+    # step, in bf16 autocast as in training. Catches a mask whose forward is right but whose
+    # backward reads the wrong blocks (the q indices the dK/dV kernel walks).
+    b = batches(1)[0]
+    results = {}
+    for label, compile, attention in (("sdpa", False, "sdpa"), ("flex", False, "flex"), ("flex compiled", True, "flex")):
+        w = make_worker(compile=compile, attention=attention)
+        inputs = [b[k] for k in tp.BATCH_KEYS] + [w.anchor_noise(1, torch.empty(ROWS, LENGTH, device="cuda"))]
+        loss, _ = w.forward_backward(inputs)
+        results[label] = (loss.float(), w.flat_grad.float().clone())
+    want_loss, want_grad = results.pop("sdpa")
+    for label, (loss, grad) in results.items():
+        grad_err = ((grad - want_grad).norm() / want_grad.norm()).item()
+        print(f"{label}: loss {loss.item():.5f} vs sdpa {want_loss.item():.5f}, relative gradient error {grad_err:.2e}")
+        assert abs(loss - want_loss) / want_loss < 1e-2, label
+        assert grad_err < 2e-2, (label, grad_err)
 
 
 def test_graph_replay_equals_compiled_step():
@@ -188,8 +208,9 @@ def test_flex_block_mask_on_gpu_equals_create_block_mask_forward_and_backward():
     eager = dm.flex_block_mask(anchors, doc, bs, mask_mod)
     compiled = torch.compile(lambda: [getattr(dm.flex_block_mask(anchors, doc, bs, mask_mod), f)
                                       for f in BLOCK_MASK_FIELDS], fullgraph=True)()
-    for f, c in zip(BLOCK_MASK_FIELDS, compiled):
+    for f, c in zip(BLOCK_MASK_FIELDS, compiled):  # values, and the (contiguous) layout flex's kernels assume
         assert torch.equal(getattr(eager, f), getattr(want, f)) and torch.equal(c, getattr(want, f)), f
+        assert getattr(eager, f).stride() == c.stride() == getattr(want, f).stride(), f
 
     attend = torch.compile(flex_attention, dynamic=False)
     q0 = torch.randn(B, H, A * bs, D, generator=g).cuda().bfloat16()

@@ -99,14 +99,15 @@ def test_flex_block_mask_equals_create_block_mask(B, L, A, bs):
     with torch.autocast("cpu", dtype=torch.bfloat16):  # as in the training step: counts must stay exact
         got = dm.flex_block_mask(anchors, doc, bs, mask_mod)
     assert (got.seq_lengths, got.BLOCK_SIZE) == (want.seq_lengths, want.BLOCK_SIZE)
-    for f in BLOCK_MASK_FIELDS:
+    for f in BLOCK_MASK_FIELDS:  # values, and the layout flex's Triton kernels assume (contiguous)
         assert torch.equal(getattr(got, f), getattr(want, f)), f
+        assert getattr(got, f).stride() == getattr(want, f).stride(), f
     assert got.mask_mod is mask_mod
     if B == 2 and L == 128:  # traced as in the compiled step (fullgraph): the same tensors
         build = torch.compile(lambda a, d: [getattr(dm.flex_block_mask(a, d, bs, mask_mod), f) for f in BLOCK_MASK_FIELDS],
                               fullgraph=True, dynamic=False)
         for f, t in zip(BLOCK_MASK_FIELDS, build(anchors, doc)):
-            assert torch.equal(t, getattr(want, f)), f
+            assert torch.equal(t, getattr(want, f)) and t.stride() == getattr(want, f).stride(), f
 
 
 def test_flex_attention_path_equals_dense_path():
