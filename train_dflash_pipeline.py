@@ -480,6 +480,7 @@ def warm_up_target(replicas, args, log):
     budget that does not fit shows now, with the largest that does."""
     rows = args.token_budget // args.max_length
     for r in replicas:
+        out_of_memory = False
         try:
             if args.compile:
                 with COMPILE_LOCK:
@@ -487,6 +488,8 @@ def warm_up_target(replicas, args, log):
             else:
                 r.features(r.synthetic_batch(rows, args.max_length))
         except torch.cuda.OutOfMemoryError:
+            out_of_memory = True
+        if out_of_memory:  # outside the except block, as in DrafterWorker.warm_up
             r.graph = r.static_in = None  # a capture cut short: measure one row eagerly
             fits, per_row = budget_that_fits(r.device, args.max_length,
                                              lambda: r.features(r.synthetic_batch(1, args.max_length)))
@@ -769,6 +772,7 @@ class DrafterWorker:
         t0 = time.perf_counter()
         self.run.log(f"drafter worker {self.rank}: " + ("compiling and capturing the step" if a.compile
                      else "compiling flex_attention") + f" on {self.device}")
+        out_of_memory = False
         try:
             if a.compile:
                 self.capture(a.token_budget // a.max_length, self.run.features_dim)
@@ -776,6 +780,8 @@ class DrafterWorker:
                 self.forward_backward(self.synthetic_inputs(a.token_budget // a.max_length, self.run.features_dim))
                 self.flat_grad.zero_()
         except torch.cuda.OutOfMemoryError:
+            out_of_memory = True
+        if out_of_memory:  # measured outside the except block: the error's frames hold the failed step's tensors
             self.graphs = self.static = None
             self.explain_oom()
         self.run.log(f"drafter worker {self.rank}: ready in {time.perf_counter() - t0:.0f}s")
