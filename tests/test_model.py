@@ -110,6 +110,22 @@ def test_flex_block_mask_equals_create_block_mask(B, L, A, bs):
             assert torch.equal(t, getattr(want, f)) and t.stride() == getattr(want, f).stride(), f
 
 
+def test_block_mask_trace_does_not_grow_with_rows():
+    # Traced into the compiled step, the mask must be the same graph at 2 rows and at 32: a
+    # per-row Python loop unrolled there made the compile time grow with the rows.
+    node_counts = []
+
+    def count_nodes(gm, example_inputs):
+        node_counts.append(len(gm.graph.nodes))
+        return gm.forward
+    for B in (2, 32):
+        anchors = torch.sort(torch.rand(B, 300).topk(20, dim=1).indices, dim=1).values
+        doc = torch.zeros(B, 300, dtype=torch.long)
+        torch.compile(lambda a, d: dm.flex_block_mask(a, d, 4, None).kv_indices, backend=count_nodes,
+                      fullgraph=True, dynamic=False)(anchors, doc)
+    assert node_counts[0] == node_counts[1], node_counts
+
+
 def test_flex_attention_path_equals_dense_path():
     # The GPU training path (flex_attention over flex_block_mask) against the CPU one (SDPA with
     # the dense mask), forward only: flex_attention has no backward on CPU. Lengths off the
