@@ -212,8 +212,8 @@ def visible_keys(anchors, doc_ids, block_size, num_keys):
     kv = torch.arange(num_keys, device=anchors.device)[None, :]
     # vmap over rows, not a Python loop: a loop traced into the compiled step grows with the
     # rows (at 4096 rows tracing alone had not finished after 140 s on the H200 machine)
-    return torch.vmap(lambda row_anchors, row_docs: block_visible(first_slot, kv, row_anchors, row_docs, L, block_size)
-                      )(anchors, doc_ids)
+    one_row = lambda row_anchors, row_docs: block_visible(first_slot, kv, row_anchors, row_docs, L, block_size)
+    return torch.vmap(one_row)(anchors, doc_ids)
 
 
 def dense_block_mask(anchors, doc_ids, block_size):
