@@ -462,8 +462,21 @@ class TargetReplica:
         torch.cuda.synchronize(self.device)
 
 
-def budget_that_fits(device, max_length, one_row_step):
-    """After an out-of-memory error: run one row, and scale to the memory the device has."""
+def fits_in_memory(step):
+    """Runs step(); False if the GPU ran out of memory. The error is dropped on the way out, and
+    with it the failed step's frames and the tensors they hold."""
+    try:
+        step()
+        return True
+    except torch.cuda.OutOfMemoryError:
+        return False
+
+
+def budget_that_fits(device, max_length, one_row_step, try_rows):
+    """After an out-of-memory error at start-up: estimate the rows that fit from one row's peak
+    memory, then try that many with try_rows(rows) -> bool, 15% fewer after each failure (a CUDA
+    graph capture, or a batch far larger than one row, can need more than the estimate: measured
+    on an H200, docs/benchmarks.md). Returns (tokens that fit, bytes per row)."""
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats(device)
     base = torch.cuda.memory_allocated(device)
@@ -471,31 +484,38 @@ def budget_that_fits(device, max_length, one_row_step):
     per_row = max(torch.cuda.max_memory_allocated(device) - base, 1)
     torch.cuda.empty_cache()  # memory the allocator keeps cached is free for the rows too
     free, _ = torch.cuda.mem_get_info(device)
-    rows = int(0.9 * (free + torch.cuda.memory_allocated(device) - base) // per_row)
-    return max(rows, 0) * max_length, per_row
+    rows = max(int(0.9 * (free + torch.cuda.memory_allocated(device) - base) // per_row), 0)
+    while rows > 0 and not try_rows(rows):
+        torch.cuda.empty_cache()
+        rows = int(rows * 0.85)
+    return rows * max_length, per_row
 
 
 def warm_up_target(replicas, args, log):
     """One fixed-shape forward per replica (captured as a CUDA graph with --compile), so a token
     budget that does not fit shows now, with the largest that does."""
-    rows = args.token_budget // args.max_length
+    def warm(r, rows):
+        if args.compile:
+            with COMPILE_LOCK:
+                r.capture(rows, args.max_length)
+        else:
+            r.features(r.synthetic_batch(rows, args.max_length))
+
+    def try_rows(r, rows):
+        fits = fits_in_memory(lambda: warm(r, rows))
+        r.graph = r.static_in = r.static_out = None  # the run stops either way: free the try's memory
+        return fits
+
     for r in replicas:
-        out_of_memory = False
-        try:
-            if args.compile:
-                with COMPILE_LOCK:
-                    r.capture(rows, args.max_length)
-            else:
-                r.features(r.synthetic_batch(rows, args.max_length))
-        except torch.cuda.OutOfMemoryError:
-            out_of_memory = True
-        if out_of_memory:  # outside the except block, as in DrafterWorker.warm_up
-            r.graph = r.static_in = None  # a capture cut short: measure one row eagerly
-            fits, per_row = budget_that_fits(r.device, args.max_length,
-                                             lambda: r.features(r.synthetic_batch(1, args.max_length)))
-            raise UsageError(f"--token-budget {args.token_budget} does not fit the target stage on {r.device} "
-                             f"({per_row / 2**30:.1f} GB per row of {args.max_length}); the largest that fits is "
-                             f"about --token-budget {fits}") from None
+        if fits_in_memory(lambda: warm(r, args.token_budget // args.max_length)):
+            continue
+        r.graph = r.static_in = r.static_out = None  # a capture cut short: measure one row eagerly
+        fits, per_row = budget_that_fits(r.device, args.max_length,
+                                         lambda: r.features(r.synthetic_batch(1, args.max_length)),
+                                         lambda rows: try_rows(r, rows))
+        raise UsageError(f"--token-budget {args.token_budget} does not fit the target stage on {r.device} "
+                         f"({per_row / 2**30:.1f} GB per row of {args.max_length}); the largest that fits is "
+                         f"about --token-budget {fits}")
     if args.compile:
         log(f"target: forward captured as a CUDA graph on {[str(r.device) for r in replicas]}")
 
@@ -772,27 +792,31 @@ class DrafterWorker:
         t0 = time.perf_counter()
         self.run.log(f"drafter worker {self.rank}: " + ("compiling and capturing the step" if a.compile
                      else "compiling flex_attention") + f" on {self.device}")
-        out_of_memory = False
-        try:
-            if a.compile:
-                self.capture(a.token_budget // a.max_length, self.run.features_dim)
-            else:
-                self.forward_backward(self.synthetic_inputs(a.token_budget // a.max_length, self.run.features_dim))
-                self.flat_grad.zero_()
-        except torch.cuda.OutOfMemoryError:
-            out_of_memory = True
-        if out_of_memory:  # measured outside the except block: the error's frames hold the failed step's tensors
-            self.graphs = self.static = None
+        if not fits_in_memory(lambda: self.warm_step(a.token_budget // a.max_length)):
+            self.graphs = self.static = self.static_out = None
             self.explain_oom()
         self.run.log(f"drafter worker {self.rank}: ready in {time.perf_counter() - t0:.0f}s")
 
+    def warm_step(self, rows):
+        if self.args.compile:
+            self.capture(rows, self.run.features_dim)
+        else:  # flex_attention compiles at this shape; the step's gradient is dropped
+            self.forward_backward(self.synthetic_inputs(rows, self.run.features_dim))
+            self.flat_grad.zero_()
+
     def explain_oom(self):
         a = self.args
+
+        def try_rows(rows):
+            fits = fits_in_memory(lambda: self.warm_step(rows))
+            self.graphs = self.static = self.static_out = None  # the run stops either way: free the try's memory
+            return fits
         fits, per_row = budget_that_fits(self.device, a.max_length,
-                                         lambda: self.forward_backward(self.synthetic_inputs(1, self.run.features_dim)))
+                                         lambda: self.forward_backward(self.synthetic_inputs(1, self.run.features_dim)),
+                                         try_rows)
         raise RuntimeError(f"--token-budget {a.token_budget} does not fit the drafter step on {self.device} "
                            f"({per_row / 2**30:.1f} GB per row of {a.max_length}); the largest that fits is "
-                           f"about --token-budget {fits}") from None
+                           f"about --token-budget {fits}")
 
     # --- compile and capture (at start-up, under COMPILE_LOCK, before the target streams) ------
 

@@ -4,6 +4,7 @@ import random
 import subprocess
 import sys
 import time
+import types
 
 import pytest
 import torch
@@ -240,3 +241,39 @@ def test_non_finite_loss_stops_naming_the_step(tmp_path, tiny_model_dir, monkeyp
     log = (tmp_path / "o" / "train.log").read_text()
     assert "stopped after an error" in log
     assert "non-finite loss at step 5" in capsys.readouterr().err
+
+
+def test_out_of_memory_at_start_up_names_a_budget_that_was_tried(monkeypatch):
+    # GPU memory faked on CPU: 100 GB free and 1 GB per row by the one-row measurement, but a
+    # capture of more than 70 rows runs out of memory (on an H200 a capture did not fit the
+    # one-row estimate). The estimate, 90 rows, is tried, then 15% fewer each time: 90, 76, 64.
+    GB, L = 2**30, 512
+    peak = {"bytes": 0}
+    fake_cuda = {"empty_cache": lambda: None, "reset_peak_memory_stats": lambda device: None,
+                 "memory_allocated": lambda device: 0, "max_memory_allocated": lambda device: peak["bytes"],
+                 "mem_get_info": lambda device: (100 * GB, 140 * GB)}
+    for name, fn in fake_cuda.items():
+        monkeypatch.setattr(torch.cuda, name, fn)
+    captured = []
+
+    class FakeReplica:
+        device, graph, static_in, static_out = "cuda:0", None, None, None
+
+        def synthetic_batch(self, rows, length):
+            return rows
+
+        def features(self, rows):  # the one-row measurement
+            peak["bytes"] = rows * GB
+
+        def capture(self, rows, length):
+            captured.append(rows)
+            if rows > 70:
+                raise torch.cuda.OutOfMemoryError("fake: out of memory")
+            self.graph = "a graph"
+
+    replica = FakeReplica()
+    args = types.SimpleNamespace(token_budget=4096 * L, max_length=L, compile=True)
+    with pytest.raises(tp.UsageError, match=f"1.0 GB per row of {L}.*the largest that fits is about --token-budget {64 * L}$"):
+        tp.warm_up_target([replica], args, print)
+    assert captured == [4096, 90, 76, 64]
+    assert replica.graph is None  # the tries' memory is let go
