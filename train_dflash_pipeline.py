@@ -461,6 +461,10 @@ class TargetReplica:
             self.static_out = self.forward(**self.static_in)
         torch.cuda.synchronize(self.device)
 
+    def drop_capture(self):
+        """Back to eager forwards; the graph's pool and static buffers are let go."""
+        self.graph = self.static_in = self.static_out = None
+
 
 def fits_in_memory(step):
     """Runs step(); False if the GPU ran out of memory. The error is dropped on the way out, and
@@ -472,11 +476,13 @@ def fits_in_memory(step):
         return False
 
 
-def budget_that_fits(device, max_length, one_row_step, try_rows):
-    """After an out-of-memory error at start-up: estimate the rows that fit from one row's peak
-    memory, then try that many with try_rows(rows) -> bool, 15% fewer after each failure (a CUDA
+def budget_that_fits(device, max_length, one_row_step, warm, drop_capture):
+    """After warm(rows) ran out of memory at start-up: estimate the rows that fit from one row's
+    peak memory (one_row_step), then try that many with warm, 15% fewer after each failure (a CUDA
     graph capture, or a batch far larger than one row, can need more than the estimate: measured
-    on an H200, docs/benchmarks.md). Returns (tokens that fit, bytes per row)."""
+    on an H200, docs/benchmarks.md). drop_capture() frees what a warm-up leaves, before the
+    measurement and after every try: the run stops either way. Returns (tokens, bytes per row)."""
+    drop_capture()
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats(device)
     base = torch.cuda.memory_allocated(device)
@@ -485,8 +491,12 @@ def budget_that_fits(device, max_length, one_row_step, try_rows):
     torch.cuda.empty_cache()  # memory the allocator keeps cached is free for the rows too
     free, _ = torch.cuda.mem_get_info(device)
     rows = max(int(0.9 * (free + torch.cuda.memory_allocated(device) - base) // per_row), 0)
-    while rows > 0 and not try_rows(rows):
+    while rows > 0:
+        fits = fits_in_memory(lambda: warm(rows))
+        drop_capture()
         torch.cuda.empty_cache()
+        if fits:
+            break
         rows = int(rows * 0.85)
     return rows * max_length, per_row
 
@@ -501,18 +511,12 @@ def warm_up_target(replicas, args, log):
         else:
             r.features(r.synthetic_batch(rows, args.max_length))
 
-    def try_rows(r, rows):
-        fits = fits_in_memory(lambda: warm(r, rows))
-        r.graph = r.static_in = r.static_out = None  # the run stops either way: free the try's memory
-        return fits
-
     for r in replicas:
         if fits_in_memory(lambda: warm(r, args.token_budget // args.max_length)):
             continue
-        r.graph = r.static_in = r.static_out = None  # a capture cut short: measure one row eagerly
         fits, per_row = budget_that_fits(r.device, args.max_length,
                                          lambda: r.features(r.synthetic_batch(1, args.max_length)),
-                                         lambda rows: try_rows(r, rows))
+                                         lambda rows: warm(r, rows), r.drop_capture)
         raise UsageError(f"--token-budget {args.token_budget} does not fit the target stage on {r.device} "
                          f"({per_row / 2**30:.1f} GB per row of {args.max_length}); the largest that fits is "
                          f"about --token-budget {fits}")
@@ -793,7 +797,6 @@ class DrafterWorker:
         self.run.log(f"drafter worker {self.rank}: " + ("compiling and capturing the step" if a.compile
                      else "compiling flex_attention") + f" on {self.device}")
         if not fits_in_memory(lambda: self.warm_step(a.token_budget // a.max_length)):
-            self.graphs = self.static = self.static_out = None
             self.explain_oom()
         self.run.log(f"drafter worker {self.rank}: ready in {time.perf_counter() - t0:.0f}s")
 
@@ -806,14 +809,9 @@ class DrafterWorker:
 
     def explain_oom(self):
         a = self.args
-
-        def try_rows(rows):
-            fits = fits_in_memory(lambda: self.warm_step(rows))
-            self.graphs = self.static = self.static_out = None  # the run stops either way: free the try's memory
-            return fits
         fits, per_row = budget_that_fits(self.device, a.max_length,
                                          lambda: self.forward_backward(self.synthetic_inputs(1, self.run.features_dim)),
-                                         try_rows)
+                                         self.warm_step, self.drop_capture)
         raise RuntimeError(f"--token-budget {a.token_budget} does not fit the drafter step on {self.device} "
                            f"({per_row / 2**30:.1f} GB per row of {a.max_length}); the largest that fits is "
                            f"about --token-budget {fits}")
@@ -835,7 +833,7 @@ class DrafterWorker:
         """Compile, warm up, then capture the whole step. The warm-up runs with lr 0 and the
         optimizer state is restored afterwards, so training starts from the state it was given.
         A second call (another averager, say) replaces the first capture, whose memory goes first."""
-        self.graphs = self.static_out = None
+        self.drop_capture()
         self.static = self.synthetic_inputs(rows, features_dim)
         state_tensors = lambda: [t for st in self.optimizer.state.values() for t in st.values()
                                  if isinstance(t, torch.Tensor)]
@@ -864,6 +862,10 @@ class DrafterWorker:
             self.graphs.append(g2)
         self.static_out = (loss, stats, grad_norm)
         torch.cuda.current_stream(self.device).synchronize()
+
+    def drop_capture(self):
+        """Back to the uncaptured step; the graphs' pool and static buffers are let go."""
+        self.graphs = self.static = self.static_out = None
 
     def get_batch(self):
         """The next batch, or None at the end of the run (sentinel) or when the run stops."""

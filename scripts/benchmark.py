@@ -378,7 +378,7 @@ def pipeline_throughput(a, cfg, replicas, drafter_devices, embed, head, compile,
     args.layer_ids = replicas[0].layer_ids
     os.makedirs(a.output_dir, exist_ok=True)
     for r in replicas:
-        r.graph = None
+        r.drop_capture()
     drafters = [build_drafter(cfg, a, dev, embed, head) for dev in drafter_devices]
     run = ThroughputRun(args, a.pipeline_steps, 1, 0, SyntheticStream(a, cfg.vocab_size),
                  [r.device for r in replicas] + [torch.device(d) for d in drafter_devices],
@@ -489,7 +489,7 @@ def main():
         results["target"] = tt
         for k, t in tt.items():
             report(f"  target {k}: {tokens / t:,.0f} tokens/s, MFU {t_flops * tokens / t / PEAK_FLOPS:.1%}")
-    replica.graph = None  # its static buffers and pool: the later sections capture their own
+    replica.drop_capture()  # its static buffers and pool: the later sections capture their own
     torch.cuda.empty_cache()
     if ({"beside", "scaling"} - skip) and graphed is None:
         graphed = drafter_worker(a, cfg, drafter_dev, embed, head, features_dim, compile=True)

@@ -271,6 +271,9 @@ def test_out_of_memory_at_start_up_names_a_budget_that_was_tried(monkeypatch):
                 raise torch.cuda.OutOfMemoryError("fake: out of memory")
             self.graph = "a graph"
 
+        def drop_capture(self):
+            self.graph = None
+
     replica = FakeReplica()
     args = types.SimpleNamespace(token_budget=4096 * L, max_length=L, compile=True)
     with pytest.raises(tp.UsageError, match=f"1.0 GB per row of {L}.*the largest that fits is about --token-budget {64 * L}$"):
