@@ -52,11 +52,14 @@ def batches(n, device="cuda:0", seed=5):
     return out
 
 
-def captured_worker():
-    w = make_worker(compile=True)
+def capture(w):
     with torch.cuda.stream(w.stream):
         w.capture(ROWS, 2048)
     return w
+
+
+def captured_worker(**kw):
+    return capture(make_worker(compile=True, **kw))
 
 
 def run_steps(worker, data, first_step=1):
@@ -167,8 +170,7 @@ def test_resumed_optimizer_follows_the_schedule():
     resumed = make_worker(compile=True)
     resumed.drafter.load_state_dict(first.drafter.state_dict())
     resumed.load_optimizer_state(first.optimizer.state_dict())
-    with torch.cuda.stream(resumed.stream):
-        resumed.capture(ROWS, 2048)
+    capture(resumed)
     run_steps(resumed, data[3:], first_step=4)
     assert resumed.optimizer.param_groups[0]["lr"] is resumed.lr
     for p, q in zip(whole.drafter.parameters(), resumed.drafter.parameters()):
@@ -184,10 +186,7 @@ def test_two_gpu_workers_average_gradients_and_stay_identical():
     for b in averager.buffers:
         torch.testing.assert_close(b.cpu(), (grads[0] + grads[1]) / 2)
 
-    workers = [make_worker(compile=True, device=f"cuda:{i}", rank=i, averager=averager) for i in range(2)]
-    for w in workers:
-        with torch.cuda.stream(w.stream):
-            w.capture(ROWS, 2048)
+    workers = [captured_worker(device=f"cuda:{i}", rank=i, averager=averager) for i in range(2)]
     data = [batches(10, device=f"cuda:{i}", seed=5 + i) for i in range(2)]
     losses = [None, None]
 
