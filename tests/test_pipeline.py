@@ -257,7 +257,7 @@ def test_out_of_memory_at_start_up_names_a_budget_that_was_tried(monkeypatch):
     captured = []
 
     class FakeReplica:
-        device, graph, static_in, static_out = "cuda:0", None, None, None
+        device, graph = "cuda:0", None
 
         def synthetic_batch(self, rows, length):
             return rows
