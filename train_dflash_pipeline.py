@@ -476,12 +476,9 @@ def fits_in_memory(step):
         return False
 
 
-def budget_that_fits(device, max_length, one_row_step, warm, drop_capture):
-    """After warm(rows) ran out of memory at start-up: estimate the rows that fit from one row's
-    peak memory (one_row_step), then try that many with warm, 15% fewer after each failure (a CUDA
-    graph capture, or a batch far larger than one row, can need more than the estimate: measured
-    on an H200, docs/benchmarks.md). drop_capture() frees what a warm-up leaves, before the
-    measurement and after every try: the run stops either way. Returns (tokens, bytes per row)."""
+def rows_that_should_fit(device, one_row_step, drop_capture):
+    """The rows whose step should fit, from one row's peak memory (one_row_step, eager), with 10%
+    to spare. drop_capture() frees what a warm-up left first. Returns (rows, bytes per row)."""
     drop_capture()
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats(device)
@@ -490,7 +487,16 @@ def budget_that_fits(device, max_length, one_row_step, warm, drop_capture):
     per_row = max(torch.cuda.max_memory_allocated(device) - base, 1)
     torch.cuda.empty_cache()  # memory the allocator keeps cached is free for the rows too
     free, _ = torch.cuda.mem_get_info(device)
-    rows = max(int(0.9 * (free + torch.cuda.memory_allocated(device) - base) // per_row), 0)
+    return max(int(0.9 * (free + torch.cuda.memory_allocated(device) - base) // per_row), 0), per_row
+
+
+def budget_that_fits(max_length, warm, drop_capture, estimate):
+    """After warm(rows) ran out of memory at start-up: try the estimated rows (from
+    rows_that_should_fit) with warm, 15% fewer after each failure (a CUDA graph capture, or a batch
+    far larger than one row, can need more than the estimate: measured on an H200,
+    docs/benchmarks.md). drop_capture() after every try: the run stops either way.
+    Returns (tokens, bytes per row)."""
+    rows, per_row = estimate
     while rows > 0:
         fits = fits_in_memory(lambda: warm(rows))
         drop_capture()
@@ -514,9 +520,9 @@ def warm_up_target(replicas, args, log):
     for r in replicas:
         if fits_in_memory(lambda: warm(r, args.token_budget // args.max_length)):
             continue
-        fits, per_row = budget_that_fits(r.device, args.max_length,
-                                         lambda: r.features(r.synthetic_batch(1, args.max_length)),
-                                         lambda rows: warm(r, rows), r.drop_capture)
+        estimate = rows_that_should_fit(r.device, lambda: r.features(r.synthetic_batch(1, args.max_length)),
+                                        r.drop_capture)
+        fits, per_row = budget_that_fits(args.max_length, lambda rows: warm(r, rows), r.drop_capture, estimate)
         raise UsageError(f"--token-budget {args.token_budget} does not fit the target stage on {r.device} "
                          f"({per_row / 2**30:.1f} GB per row of {args.max_length}); the largest that fits is "
                          f"about --token-budget {fits}")
@@ -796,8 +802,17 @@ class DrafterWorker:
         t0 = time.perf_counter()
         self.run.log(f"drafter worker {self.rank}: " + ("compiling and capturing the step" if a.compile
                      else "compiling flex_attention") + f" on {self.device}")
-        if not fits_in_memory(lambda: self.warm_step(a.token_budget // a.max_length)):
-            self.explain_oom()
+        rows, estimate = a.token_budget // a.max_length, None
+        ce_chunks = rows * a.num_anchors * (self.drafter.block_size - 1) / a.ce_chunk_size
+        if a.compile and ce_chunks > 64:
+            # The LM-head loss is a loop over chunks, unrolled when the step is traced: past a few
+            # dozen chunks the trace takes minutes (4096 rows: still tracing after 240 s on an H200,
+            # docs/benchmarks.md). So a budget that large is first checked against one row's memory.
+            estimate = self.rows_that_should_fit()
+            if rows > 2 * estimate[0]:
+                self.explain_oom(estimate)
+        if not fits_in_memory(lambda: self.warm_step(rows)):
+            self.explain_oom(estimate or self.rows_that_should_fit())
         self.run.log(f"drafter worker {self.rank}: ready in {time.perf_counter() - t0:.0f}s")
 
     def warm_step(self, rows):
@@ -807,11 +822,13 @@ class DrafterWorker:
             self.forward_backward(self.synthetic_inputs(rows, self.run.features_dim))
             self.flat_grad.zero_()
 
-    def explain_oom(self):
+    def rows_that_should_fit(self):
+        return rows_that_should_fit(self.device, lambda: self.forward_backward(self.synthetic_inputs(1, self.run.features_dim)),
+                                    self.drop_capture)
+
+    def explain_oom(self, estimate):
         a = self.args
-        fits, per_row = budget_that_fits(self.device, a.max_length,
-                                         lambda: self.forward_backward(self.synthetic_inputs(1, self.run.features_dim)),
-                                         self.warm_step, self.drop_capture)
+        fits, per_row = budget_that_fits(a.max_length, self.warm_step, self.drop_capture, estimate)
         raise RuntimeError(f"--token-budget {a.token_budget} does not fit the drafter step on {self.device} "
                            f"({per_row / 2**30:.1f} GB per row of {a.max_length}); the largest that fits is "
                            f"about --token-budget {fits}")

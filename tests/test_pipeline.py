@@ -243,17 +243,27 @@ def test_non_finite_loss_stops_naming_the_step(tmp_path, tiny_model_dir, monkeyp
     assert "non-finite loss at step 5" in capsys.readouterr().err
 
 
-def test_out_of_memory_at_start_up_names_a_budget_that_was_tried(monkeypatch):
-    # GPU memory faked on CPU: 100 GB free and 1 GB per row by the one-row measurement, but a
-    # capture of more than 70 rows runs out of memory (on an H200 a capture did not fit the
-    # one-row estimate). The estimate, 90 rows, is tried, then 15% fewer each time: 90, 76, 64.
-    GB, L = 2**30, 512
+GB = 2**30
+
+
+@pytest.fixture
+def fake_gpu_memory(monkeypatch):
+    """GPU memory faked on CPU: 100 GB free, and a one-row step's peak is whatever the test sets
+    in the returned dict's "bytes"."""
     peak = {"bytes": 0}
     fake_cuda = {"empty_cache": lambda: None, "reset_peak_memory_stats": lambda device: None,
                  "memory_allocated": lambda device: 0, "max_memory_allocated": lambda device: peak["bytes"],
                  "mem_get_info": lambda device: (100 * GB, 140 * GB)}
     for name, fn in fake_cuda.items():
         monkeypatch.setattr(torch.cuda, name, fn)
+    return peak
+
+
+def test_out_of_memory_at_start_up_names_a_budget_that_was_tried(fake_gpu_memory):
+    # 1 GB per row by the one-row measurement, but a capture of more than 70 rows runs out of
+    # memory (on an H200 a capture did not fit the one-row estimate). The estimate, 90 rows, is
+    # tried, then 15% fewer each time: 90, 76, 64.
+    L = 512
     captured = []
 
     class FakeReplica:
@@ -263,7 +273,7 @@ def test_out_of_memory_at_start_up_names_a_budget_that_was_tried(monkeypatch):
             return rows
 
         def features(self, rows):  # the one-row measurement
-            peak["bytes"] = rows * GB
+            fake_gpu_memory["bytes"] = rows * GB
 
         def capture(self, rows, length):
             captured.append(rows)
@@ -280,3 +290,40 @@ def test_out_of_memory_at_start_up_names_a_budget_that_was_tried(monkeypatch):
         tp.warm_up_target([replica], args, print)
     assert captured == [4096, 90, 76, 64]
     assert replica.graph is None  # the tries' memory is let go
+
+
+@pytest.mark.parametrize("rows, tried", [(4096, [90, 76, 64]), (100, [100, 90, 76, 64])])
+def test_compiled_drafter_budget_far_too_large_is_refused_before_tracing(fake_gpu_memory, rows, tried):
+    # Tracing the compiled step unrolls the LM-head loss over its chunks: at 4096 rows (960
+    # chunks) an H200 was still tracing after 240 s. A budget that large is checked against one
+    # row's memory (1 GB here, so about 90 rows fit) and never traced; 100 rows (23 chunks) is.
+    L = 512
+
+    class FakeWorker:
+        rank, device = 0, "cuda:0"
+        warm_up = tp.DrafterWorker.warm_up
+        rows_that_should_fit = tp.DrafterWorker.rows_that_should_fit
+        explain_oom = tp.DrafterWorker.explain_oom
+        args = types.SimpleNamespace(token_budget=rows * L, max_length=L, num_anchors=64, ce_chunk_size=4096, compile=True)
+        drafter = types.SimpleNamespace(block_size=16)
+        run = types.SimpleNamespace(log=print, features_dim=2048)
+        warmed = []
+
+        def synthetic_inputs(self, rows, features_dim):
+            return rows
+
+        def forward_backward(self, rows):  # the one-row measurement
+            fake_gpu_memory["bytes"] = rows * GB
+
+        def warm_step(self, rows):
+            self.warmed.append(rows)
+            if rows > 70:
+                raise torch.cuda.OutOfMemoryError("fake: out of memory")
+
+        def drop_capture(self):
+            pass
+
+    w = FakeWorker()
+    with pytest.raises(RuntimeError, match=f"does not fit the drafter step.*about --token-budget {64 * L}$"):
+        w.warm_up()
+    assert w.warmed == tried
