@@ -346,25 +346,58 @@ def _head_ce_chunk(hidden, weight, labels, with_grad):
     return ce, correct, (dlogits.to(weight.dtype) @ weight).to(hidden.dtype)
 
 
-class ChunkedLMHeadCE(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, hidden, weight, labels, chunk_size, with_grad=True):
-        out = [_head_ce_chunk(hidden[s:s + chunk_size], weight, labels[s:s + chunk_size], with_grad)
-               for s in range(0, hidden.shape[0], chunk_size)]
-        ce, correct = torch.cat([o[0] for o in out]), torch.cat([o[1] for o in out])
-        ctx.mark_non_differentiable(correct)
-        ctx.with_grad = with_grad
-        if with_grad:
-            ctx.save_for_backward(torch.cat([o[2] for o in out]))
-        return ce, correct
+_compiled_head_ce_chunk = None
 
-    @staticmethod
-    def backward(ctx, grad_ce, grad_correct):
-        if not ctx.with_grad:
-            raise RuntimeError("ChunkedLMHeadCE was called with with_grad=False")
-        (dce_dhidden,) = ctx.saved_tensors
-        grad = _upcast(dce_dhidden) * _upcast(grad_ce)[:, None]
-        return grad.to(dce_dhidden.dtype), None, None, None, None
+
+# A custom op, so that torch.compile sees one opaque call: traced, the loop over chunks unrolled
+# into the step, and compile time grew with the chunk count (53 chunks: still compiling after
+# 200 s on an H200, docs/benchmarks.md). Inside a compiled step each chunk runs one compiled kernel
+# set instead (compile_chunk), built once per chunk shape.
+@torch.library.custom_op("dflash::lm_head_ce", mutates_args=())
+def _lm_head_ce(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, chunk_size: int,
+                with_grad: bool, compile_chunk: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    global _compiled_head_ce_chunk
+    chunk = _head_ce_chunk
+    if compile_chunk:
+        if _compiled_head_ce_chunk is None:
+            _compiled_head_ce_chunk = torch.compile(_head_ce_chunk, dynamic=False)
+        chunk = _compiled_head_ce_chunk
+    out = [chunk(hidden[s:s + chunk_size], weight, labels[s:s + chunk_size], with_grad)
+           for s in range(0, hidden.shape[0], chunk_size)]
+    ce, correct = torch.cat([o[0] for o in out]), torch.cat([o[1] for o in out])
+    dce_dhidden = torch.cat([o[2] for o in out]) if with_grad else hidden.new_empty(0)
+    return ce, correct, dce_dhidden
+
+
+@_lm_head_ce.register_fake
+def _(hidden, weight, labels, chunk_size, with_grad, compile_chunk):
+    n = hidden.shape[0]
+    return (hidden.new_empty(n, dtype=torch.promote_types(weight.dtype, torch.float32)),
+            hidden.new_empty(n, dtype=torch.bool),
+            hidden.new_empty((n, hidden.shape[1]) if with_grad else 0))
+
+
+def _lm_head_ce_setup(ctx, inputs, output):
+    ctx.with_grad = inputs[4]
+    ctx.save_for_backward(output[2])
+
+
+def _lm_head_ce_backward(ctx, grad_ce, grad_correct, grad_dce_dhidden):
+    if not ctx.with_grad:
+        raise RuntimeError("lm_head_ce was called with with_grad=False")
+    (dce_dhidden,) = ctx.saved_tensors
+    grad = _upcast(dce_dhidden) * _upcast(grad_ce)[:, None]
+    return grad.to(dce_dhidden.dtype), None, None, None, None, None
+
+
+_lm_head_ce.register_autograd(_lm_head_ce_backward, setup_context=_lm_head_ce_setup)
+
+
+def lm_head_ce(hidden, weight, labels, chunk_size, with_grad=True):
+    """Per-position cross-entropy of the frozen LM head and whether its argmax is the label;
+    differentiable in hidden when with_grad."""
+    ce, correct, _ = _lm_head_ce(hidden, weight, labels, chunk_size, with_grad, torch.compiler.is_compiling())
+    return ce, correct
 
 
 # -----------------------------------------------------------------------------
@@ -473,8 +506,8 @@ class DFlashDraftModel(nn.Module):
         anchor_doc = doc_ids.gather(1, anchors)[:, :, None]
         label_ok = in_row & (flat(doc_ids) == anchor_doc) & flat(loss_mask).bool() & anchor_valid[:, :, None]
         predicting = hidden.view(B, num_anchors, bs, -1)[:, :, 1:].reshape(B * num_anchors * (bs - 1), -1)
-        ce, correct = ChunkedLMHeadCE.apply(predicting, self.lm_head_weight, labels.reshape(-1), ce_chunk_size,
-                                            torch.is_grad_enabled() and predicting.requires_grad)
+        ce, correct = lm_head_ce(predicting, self.lm_head_weight, labels.reshape(-1), ce_chunk_size,
+                              torch.is_grad_enabled() and predicting.requires_grad)
         ce = ce.view(B, num_anchors, bs - 1)
         weight = torch.exp(-(slot - 1).to(ce.dtype) / gamma) * label_ok
         loss = (weight * ce).sum() / weight.sum().clamp(min=1e-6)

@@ -221,7 +221,7 @@ def test_chunked_head_matches_full_and_grads():
     h = torch.randn(37, 16, requires_grad=True)
     w = torch.randn(50, 16)
     lab = torch.randint(0, 50, (37,))
-    ce, correct = dm.ChunkedLMHeadCE.apply(h, w, lab, 8)
+    ce, correct = dm.lm_head_ce(h, w, lab, 8)
     ref = torch.nn.functional.cross_entropy(h @ w.t(), lab, reduction="none")
     torch.testing.assert_close(ce, ref)
     assert torch.equal(correct, (h @ w.t()).argmax(-1) == lab)
@@ -230,7 +230,7 @@ def test_chunked_head_matches_full_and_grads():
     (gref,) = torch.autograd.grad((ref * g).sum(), h)
     torch.testing.assert_close(gh, gref)
     # Without a gradient (evaluation) the same values come out, and no gradient is computed.
-    ce_eval, correct_eval = dm.ChunkedLMHeadCE.apply(h.detach(), w, lab, 8, False)
+    ce_eval, correct_eval = dm.lm_head_ce(h.detach(), w, lab, 8, False)
     torch.testing.assert_close(ce_eval, ref)
     assert torch.equal(correct_eval, correct)
 
@@ -316,17 +316,32 @@ def test_spec_generate_stops_at_stop_token():
     assert out[-1] == stop and len(out) <= 7
 
 
-def test_training_step_compiles_fullgraph():
-    torch._dynamo.reset()
+def test_training_step_compiles_fullgraph_and_its_trace_does_not_grow_with_chunks():
+    # The LM-head loss is one opaque op in the trace: unrolled, its chunk loop made the compile
+    # time grow with the chunk count. Compiled, the step gives the eager loss and gradients.
     target = tiny_target(dtype=torch.float32)
     drafter = make_drafter(target).float().train()
     ids, doc, pos, feats = packed_row(target, drafter, [20, 12], pad=0)
-    feats = feats.float()
-    mask = torch.ones(1, 32)
-    step = torch.compile(drafter, fullgraph=True, backend="aot_eager")
-    loss, stats = step(feats, ids, mask, doc, pos, torch.rand(1, 32), num_anchors=8)
-    loss.backward()
-    assert torch.isfinite(loss) and drafter.fc.weight.grad is not None
+    feats, mask, noise = feats.detach().float(), torch.ones(1, 32), torch.rand(1, 32)
+
+    def loss_and_grads(step, chunk):
+        drafter.zero_grad()
+        loss, stats = step(feats, ids, mask, doc, pos, noise, num_anchors=8, ce_chunk_size=chunk)
+        loss.backward()
+        return loss.detach(), [p.grad.clone() for p in drafter.parameters()]
+
+    node_counts = []
+
+    def count_nodes(gm, example_inputs):  # subgraphs too: an autograd.Function is traced into one
+        node_counts.append(sum(len(m.graph.nodes) for m in gm.modules() if isinstance(m, torch.fx.GraphModule)))
+        return gm.forward
+    for chunk in (3, 1000):  # 19 chunks, 1 chunk
+        torch._dynamo.reset()
+        want_loss, want_grads = loss_and_grads(drafter, chunk)
+        loss, grads = loss_and_grads(torch.compile(drafter, fullgraph=True, backend=count_nodes), chunk)
+        torch.testing.assert_close(loss, want_loss)
+        torch.testing.assert_close(grads, want_grads)
+    assert node_counts[0] == node_counts[1], node_counts
 
 
 def test_flex_training_forward_compiles_fullgraph_and_matches_sdpa():
