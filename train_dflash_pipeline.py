@@ -477,8 +477,9 @@ def fits_in_memory(step):
 
 
 def rows_that_should_fit(device, one_row_step, drop_capture):
-    """The rows whose step should fit, from one row's peak memory (one_row_step, eager), with 10%
-    to spare. drop_capture() frees what a warm-up left first. Returns (rows, bytes per row)."""
+    """The rows whose step should fit, from the peak memory of one row (one_row_step: the step as
+    the run runs it, compiled with --compile, without a graph), with 10% to spare. drop_capture()
+    frees what a warm-up left first. Returns (rows, bytes per row)."""
     drop_capture()
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats(device)
@@ -699,6 +700,16 @@ COMPILE_LOCK = threading.Lock()
 BATCH_KEYS = ("features", "input_ids", "loss_mask", "doc_ids", "position_ids")
 
 
+def compile_every_worker_or_fail():
+    """Dynamo keeps one cache per function for the whole process, 8 entries by default, and past
+    that runs the function eagerly without a word. Every worker compiles compute_loss for its own
+    replica, and the LM-head chunk for its device and shapes (up to 6 entries on one H200), so
+    several workers reach 8: allow 64, and make running out an error, never a silent slow worker."""
+    cfg = torch._dynamo.config
+    cfg.recompile_limit = max(cfg.recompile_limit, 64)
+    cfg.fail_on_recompile_limit_hit = True
+
+
 class DrafterWorker:
     """Owns a drafter replica, its stream, optimizer and flat gradient buffer. Each step is
     forward+backward -> gradient averaging -> clip + AdamW. With --compile the step is compiled,
@@ -727,6 +738,8 @@ class DrafterWorker:
         self.optimizer = torch.optim.AdamW(params, lr=self.lr, weight_decay=args.weight_decay,
                                            **(dict(fused=True, capturable=True) if cuda else dict(foreach=True)))
         self.generator = torch.Generator(device=device)
+        if args.compile:
+            compile_every_worker_or_fail()
         self.loss_fn = torch.compile(self.compute_loss, fullgraph=True, dynamic=False) if args.compile \
             else self.compute_loss
         self.graphs, self.static, self.static_out = None, None, None

@@ -327,3 +327,24 @@ def test_compiled_drafter_budget_far_too_large_is_refused_before_tracing(fake_gp
     with pytest.raises(RuntimeError, match=f"does not fit the drafter step.*about --token-budget {64 * L}$"):
         w.warm_up()
     assert w.warmed == tried
+
+
+def test_compiled_workers_never_fall_back_to_eager_silently(monkeypatch):
+    # Dynamo's default: 8 compiled versions per function, then eager without a word. Building a
+    # --compile worker allows 64 (one per worker and shape) and makes the 65th an error.
+    from conftest import tiny_target
+    cfg = torch._dynamo.config
+    monkeypatch.setattr(cfg, "recompile_limit", 8)  # restored after the test
+    monkeypatch.setattr(cfg, "fail_on_recompile_limit_hit", False)
+    target = tiny_target(dtype=torch.float32)
+    drafter = dm.DFlashDraftModel(dm.make_drafter_config(target.config, mask_token_id=1, num_draft_layers=1,
+                                                         block_size=4))
+    args = tp.build_parser().parse_args(["--max-length", "64", "--token-budget", "128", "--compile"])
+    tp.DrafterWorker(0, torch.device("cpu"), drafter, args, tp.GradAverager(1), types.SimpleNamespace(log=print))
+    torch._dynamo.reset()
+    double = torch.compile(lambda x: x * 2, backend="eager", dynamic=False)
+    for n in range(1, 65):
+        double(torch.ones(n))
+    with pytest.raises(Exception, match="recompile_limit|cache_size_limit"):
+        double(torch.ones(65))
+    torch._dynamo.reset()
