@@ -818,9 +818,10 @@ class DrafterWorker:
         rows, estimate = a.token_budget // a.max_length, None
         ce_chunks = rows * a.num_anchors * (self.drafter.block_size - 1) / a.ce_chunk_size
         if a.compile and ce_chunks > 64:
-            # The LM-head loss is a loop over chunks, unrolled when the step is traced: past a few
-            # dozen chunks the trace takes minutes (4096 rows: still tracing after 240 s on an H200,
-            # docs/benchmarks.md). So a budget that large is first checked against one row's memory.
+            # A batch many times the benchmark's (8 chunks on an H200) is checked against one row's
+            # memory before the step compiles at its shape: compiling there is time spent on a step
+            # that cannot run (before the LM-head loss was one op, 4096 rows was still tracing after
+            # 240 s on an H200, docs/benchmarks.md).
             estimate = self.rows_that_should_fit()
             if rows > 2 * estimate[0]:
                 self.explain_oom(estimate)

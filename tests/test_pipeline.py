@@ -294,9 +294,9 @@ def test_out_of_memory_at_start_up_names_a_budget_that_was_tried(fake_gpu_memory
 
 @pytest.mark.parametrize("rows, tried", [(4096, [90, 76, 64]), (100, [100, 90, 76, 64])])
 def test_compiled_drafter_budget_far_too_large_is_refused_before_tracing(fake_gpu_memory, rows, tried):
-    # Tracing the compiled step unrolls the LM-head loss over its chunks: at 4096 rows (960
-    # chunks) an H200 was still tracing after 240 s. A budget that large is checked against one
-    # row's memory (1 GB here, so about 90 rows fit) and never traced; 100 rows (23 chunks) is.
+    # A budget far past memory is not compiled at its shape (at 4096 rows, 960 LM-head chunks, an
+    # H200 was still tracing after 240 s): it is checked against one row's memory first (1 GB
+    # here, so about 90 rows fit) and never tried. 100 rows (23 chunks) is tried as it is.
     L = 512
 
     class FakeWorker:
