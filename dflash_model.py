@@ -10,6 +10,7 @@ never stored in the drafter's checkpoint.
 Read top to bottom: config -> layers -> model -> training objective -> inference -> checkpoint.
 """
 
+import functools
 import inspect
 import json
 import os
@@ -272,7 +273,11 @@ def sdpa_attend(mask):
     return attend
 
 
-_compiled_flex = None
+@functools.cache
+def compiled(fn):
+    """fn compiled once per process (fixed shapes); called eagerly, the compiled kernels run."""
+    return torch.compile(fn, dynamic=False)
+
 
 # flex_attention's backward on Hopper (sm90) at head_dim 128: inductor's default block config
 # (64/128/128/64, 3 stages, 8 warps) took 11.1 ms per layer at the benchmark's shapes, 2 stages
@@ -295,7 +300,6 @@ def flex_kernel_options(device, head_dim):
 def flex_attend(anchors, doc_ids, block_size):
     """flex_attention over a block-sparse mask built from the same predicate (GPU path). Inside a
     torch.compile'd step both are traced into the step; eagerly, flex_attention runs compiled."""
-    global _compiled_flex
     from torch.nn.attention.flex_attention import flex_attention
     L = doc_ids.shape[1]
 
@@ -305,12 +309,7 @@ def flex_attend(anchors, doc_ids, block_size):
     # Not create_block_mask: compiling it cost 153 s at start-up at the benchmark's shapes on an
     # H200 (docs/benchmarks.md), in eager mode (its _compile) and traced into the compiled step.
     block_mask = flex_block_mask(anchors, doc_ids, block_size, mask_mod)
-    if torch.compiler.is_compiling():
-        attn = flex_attention
-    else:
-        if _compiled_flex is None:
-            _compiled_flex = torch.compile(flex_attention, dynamic=False)
-        attn = _compiled_flex
+    attn = flex_attention if torch.compiler.is_compiling() else compiled(flex_attention)
 
     def attend(q, k, v):
         return attn(q, k, v, block_mask=block_mask, enable_gqa=True,
@@ -346,9 +345,6 @@ def _head_ce_chunk(hidden, weight, labels, with_grad):
     return ce, correct, (dlogits.to(weight.dtype) @ weight).to(hidden.dtype)
 
 
-_compiled_head_ce_chunk = None
-
-
 # A custom op, so that torch.compile sees one opaque call: traced, the loop over chunks unrolled
 # into the step, and compile time grew with the chunk count (53 chunks: still compiling after
 # 200 s on an H200, docs/benchmarks.md). Inside a compiled step each chunk runs one compiled kernel
@@ -356,12 +352,7 @@ _compiled_head_ce_chunk = None
 @torch.library.custom_op("dflash::lm_head_ce", mutates_args=())
 def _lm_head_ce(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, chunk_size: int,
                 with_grad: bool, compile_chunk: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    global _compiled_head_ce_chunk
-    chunk = _head_ce_chunk
-    if compile_chunk:
-        if _compiled_head_ce_chunk is None:
-            _compiled_head_ce_chunk = torch.compile(_head_ce_chunk, dynamic=False)
-        chunk = _compiled_head_ce_chunk
+    chunk = compiled(_head_ce_chunk) if compile_chunk else _head_ce_chunk
     out = [chunk(hidden[s:s + chunk_size], weight, labels[s:s + chunk_size], with_grad)
            for s in range(0, hidden.shape[0], chunk_size)]
     ce, correct = torch.cat([o[0] for o in out]), torch.cat([o[1] for o in out])
