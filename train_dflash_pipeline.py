@@ -491,12 +491,12 @@ def rows_that_should_fit(device, one_row_step, drop_capture):
     return max(int(0.9 * (free + torch.cuda.memory_allocated(device) - base) // per_row), 0), per_row
 
 
-def budget_that_fits(max_length, warm, drop_capture, estimate):
+def budget_does_not_fit(stage, device, args, warm, drop_capture, estimate):
     """After warm(rows) ran out of memory at start-up: try the estimated rows (from
     rows_that_should_fit) with warm, 15% fewer after each failure (a CUDA graph capture, or a batch
     far larger than one row, can need more than the estimate: measured on an H200,
-    docs/benchmarks.md). drop_capture() after every try: the run stops either way.
-    Returns (tokens, bytes per row)."""
+    docs/benchmarks.md). drop_capture() after every try: the run stops either way. Returns the
+    error message, naming the largest budget that was tried and fit."""
     rows, per_row = estimate
     while rows > 0:
         fits = fits_in_memory(lambda: warm(rows))
@@ -505,7 +505,8 @@ def budget_that_fits(max_length, warm, drop_capture, estimate):
         if fits:
             break
         rows = int(rows * 0.85)
-    return rows * max_length, per_row
+    return (f"--token-budget {args.token_budget} does not fit the {stage} on {device} ({per_row / 2**30:.1f} GB "
+            f"per row of {args.max_length}); the largest that fits is about --token-budget {rows * args.max_length}")
 
 
 def warm_up_target(replicas, args, log):
@@ -523,10 +524,8 @@ def warm_up_target(replicas, args, log):
             continue
         estimate = rows_that_should_fit(r.device, lambda: r.features(r.synthetic_batch(1, args.max_length)),
                                         r.drop_capture)
-        fits, per_row = budget_that_fits(args.max_length, lambda rows: warm(r, rows), r.drop_capture, estimate)
-        raise UsageError(f"--token-budget {args.token_budget} does not fit the target stage on {r.device} "
-                         f"({per_row / 2**30:.1f} GB per row of {args.max_length}); the largest that fits is "
-                         f"about --token-budget {fits}")
+        raise UsageError(budget_does_not_fit("target stage", r.device, args, lambda rows: warm(r, rows), r.drop_capture,
+                                             estimate))
     if args.compile:
         log(f"target: forward captured as a CUDA graph on {[str(r.device) for r in replicas]}")
 
@@ -841,11 +840,8 @@ class DrafterWorker:
                                     self.drop_capture)
 
     def explain_oom(self, estimate):
-        a = self.args
-        fits, per_row = budget_that_fits(a.max_length, self.warm_step, self.drop_capture, estimate)
-        raise RuntimeError(f"--token-budget {a.token_budget} does not fit the drafter step on {self.device} "
-                           f"({per_row / 2**30:.1f} GB per row of {a.max_length}); the largest that fits is "
-                           f"about --token-budget {fits}")
+        raise RuntimeError(budget_does_not_fit("drafter step", self.device, self.args, self.warm_step,
+                                               self.drop_capture, estimate))
 
     # --- compile and capture (at start-up, under COMPILE_LOCK, before the target streams) ------
 
