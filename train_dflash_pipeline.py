@@ -859,36 +859,38 @@ class DrafterWorker:
     def capture(self, rows, features_dim, warmup=3):
         """Compile, warm up, then capture the whole step. The warm-up runs with lr 0 and the
         optimizer state is restored afterwards, so training starts from the state it was given.
-        A second call (another averager, say) replaces the first capture, whose memory goes first."""
-        self.drop_capture()
-        self.static = self.synthetic_inputs(rows, features_dim)
-        state_tensors = lambda: [t for st in self.optimizer.state.values() for t in st.values()
-                                 if isinstance(t, torch.Tensor)]
-        saved = [(t, t.clone()) for t in state_tensors()] + [(p, p.detach().clone()) for p in self.drafter.parameters()]
-        fresh = not self.optimizer.state
-        self.lr.fill_(0.0)
-        for _ in range(warmup):
-            self.forward_backward(self.static)
-            self.clip_and_update()
-        torch.cuda.current_stream(self.device).synchronize()
-        for t, value in saved:
-            t.detach().copy_(value)
-        if fresh:  # the warm-up created the optimizer state: back to zero moments and step 0
-            for t in state_tensors():
-                t.zero_()
-        several = self.averager.active  # the averaging sits between two graphs
-        g1 = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g1, stream=self.stream, capture_error_mode="thread_local"):
-            loss, stats = self.forward_backward(self.static)
-            grad_norm = None if several else self.clip_and_update()
-        self.graphs = [g1]
-        if several:
-            g2 = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g2, pool=g1.pool(), stream=self.stream, capture_error_mode="thread_local"):
-                grad_norm = self.clip_and_update()
-            self.graphs.append(g2)
-        self.static_out = (loss, stats, grad_norm)
-        torch.cuda.current_stream(self.device).synchronize()
+        A second call (another averager, say) replaces the first capture, whose memory goes first.
+        It runs on the worker's own stream, whichever stream the caller is on."""
+        with torch.cuda.stream(self.stream):
+            self.drop_capture()
+            self.static = self.synthetic_inputs(rows, features_dim)
+            state_tensors = lambda: [t for st in self.optimizer.state.values() for t in st.values()
+                                     if isinstance(t, torch.Tensor)]
+            saved = [(t, t.clone()) for t in state_tensors()] + [(p, p.detach().clone()) for p in self.drafter.parameters()]
+            fresh = not self.optimizer.state
+            self.lr.fill_(0.0)
+            for _ in range(warmup):
+                self.forward_backward(self.static)
+                self.clip_and_update()
+            torch.cuda.current_stream(self.device).synchronize()
+            for t, value in saved:
+                t.detach().copy_(value)
+            if fresh:  # the warm-up created the optimizer state: back to zero moments and step 0
+                for t in state_tensors():
+                    t.zero_()
+            several = self.averager.active  # the averaging sits between two graphs
+            g1 = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g1, stream=self.stream, capture_error_mode="thread_local"):
+                loss, stats = self.forward_backward(self.static)
+                grad_norm = None if several else self.clip_and_update()
+            self.graphs = [g1]
+            if several:
+                g2 = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(g2, pool=g1.pool(), stream=self.stream, capture_error_mode="thread_local"):
+                    grad_norm = self.clip_and_update()
+                self.graphs.append(g2)
+            self.static_out = (loss, stats, grad_norm)
+            torch.cuda.current_stream(self.device).synchronize()
 
     def drop_capture(self):
         """Back to the uncaptured step; the graphs' pool and static buffers are let go."""

@@ -134,11 +134,6 @@ def drafter_worker(a, cfg, device, embed, head, features_dim, compile, rank=0, a
                             fake_run(args, features_dim))
 
 
-def capture(w, a, features_dim):
-    with torch.cuda.stream(w.stream):
-        w.capture(a.rows, features_dim)
-
-
 def drafter_step_times(a, cfg, device, embed, head, features_dim, report):
     """Eager, compiled (no graph) and compiled+graph drafter step times on one device; the
     compiled and graphed timings use one worker (compiled once, then captured), which is
@@ -253,7 +248,7 @@ def drafter_threads_scaling(a, cfg, first, devices, embed, head, features_dim, r
         if n > 1:  # recapture the first worker around the averaging, then capture the others
             first.averager = averager
             for w in workers:
-                capture(w, a, features_dim)
+                w.capture(a.rows, features_dim)
 
         def loop(w, b):
             with torch.cuda.stream(w.stream):
@@ -493,7 +488,7 @@ def main():
     torch.cuda.empty_cache()
     if ({"beside", "scaling"} - skip) and graphed is None:
         graphed = drafter_worker(a, cfg, drafter_dev, embed, head, features_dim, compile=True)
-        capture(graphed, a, features_dim)
+        graphed.capture(a.rows, features_dim)
     if "beside" not in skip:
         section("beside")
         results["beside"] = drafter_beside_target(a, cfg, graphed, replica, features_dim, report, 12)

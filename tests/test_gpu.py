@@ -52,14 +52,10 @@ def batches(n, device="cuda:0", seed=5):
     return out
 
 
-def capture(w):
-    with torch.cuda.stream(w.stream):
-        w.capture(ROWS, 2048)
-    return w
-
-
 def captured_worker(**kw):
-    return capture(make_worker(compile=True, **kw))
+    w = make_worker(compile=True, **kw)
+    w.capture(ROWS, 2048)
+    return w
 
 
 def run_steps(worker, data, first_step=1):
@@ -170,7 +166,7 @@ def test_resumed_optimizer_follows_the_schedule():
     resumed = make_worker(compile=True)
     resumed.drafter.load_state_dict(first.drafter.state_dict())
     resumed.load_optimizer_state(first.optimizer.state_dict())
-    capture(resumed)
+    resumed.capture(ROWS, 2048)
     run_steps(resumed, data[3:], first_step=4)
     assert resumed.optimizer.param_groups[0]["lr"] is resumed.lr
     for p, q in zip(whole.drafter.parameters(), resumed.drafter.parameters()):
