@@ -481,6 +481,9 @@ def rows_that_should_fit(device, one_row_step, drop_capture):
     the run runs it, compiled with --compile, without a graph), with 10% to spare. drop_capture()
     frees what a warm-up left first. Returns (rows, bytes per row)."""
     drop_capture()
+    # The measured run is the second: a first one also holds what compiling, autotuning and first
+    # use allocate once (on an H200 one compiled row measured 0.4 GB first, 0.1 GB after).
+    one_row_step()
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats(device)
     base = torch.cuda.memory_allocated(device)
@@ -814,18 +817,10 @@ class DrafterWorker:
         t0 = time.perf_counter()
         self.run.log(f"drafter worker {self.rank}: " + ("compiling and capturing the step" if a.compile
                      else "compiling flex_attention") + f" on {self.device}")
-        rows, estimate = a.token_budget // a.max_length, None
-        ce_chunks = rows * a.num_anchors * (self.drafter.block_size - 1) / a.ce_chunk_size
-        if a.compile and ce_chunks > 64:
-            # A batch many times the benchmark's (8 chunks on an H200) is checked against one row's
-            # memory before the step compiles at its shape: compiling there is time spent on a step
-            # that cannot run (before the LM-head loss was one op, 4096 rows was still tracing after
-            # 240 s on an H200, docs/benchmarks.md).
-            estimate = self.rows_that_should_fit()
-            if rows > 2 * estimate[0]:
-                self.explain_oom(estimate)
-        if not fits_in_memory(lambda: self.warm_step(rows)):
-            self.explain_oom(estimate or self.rows_that_should_fit())
+        if not fits_in_memory(lambda: self.warm_step(a.token_budget // a.max_length)):
+            one_row = lambda: self.forward_backward(self.synthetic_inputs(1, self.run.features_dim))
+            raise RuntimeError(budget_does_not_fit("drafter step", self.device, a, self.warm_step, self.drop_capture,
+                                                   rows_that_should_fit(self.device, one_row, self.drop_capture)))
         self.run.log(f"drafter worker {self.rank}: ready in {time.perf_counter() - t0:.0f}s")
 
     def warm_step(self, rows):
@@ -834,14 +829,6 @@ class DrafterWorker:
         else:  # flex_attention compiles at this shape; the step's gradient is dropped
             self.forward_backward(self.synthetic_inputs(rows, self.run.features_dim))
             self.flat_grad.zero_()
-
-    def rows_that_should_fit(self):
-        return rows_that_should_fit(self.device, lambda: self.forward_backward(self.synthetic_inputs(1, self.run.features_dim)),
-                                    self.drop_capture)
-
-    def explain_oom(self, estimate):
-        raise RuntimeError(budget_does_not_fit("drafter step", self.device, self.args, self.warm_step,
-                                               self.drop_capture, estimate))
 
     # --- compile and capture (at start-up, under COMPILE_LOCK, before the target streams) ------
 
@@ -875,6 +862,9 @@ class DrafterWorker:
             torch.cuda.current_stream(self.device).synchronize()
             for t, value in saved:
                 t.detach().copy_(value)
+            # A copy of every parameter and moment (up to 12 GB at 1B parameters): let go before
+            # the capture, which empties the allocator's cache for its own pool.
+            del saved, value
             if fresh:  # the warm-up created the optimizer state: back to zero moments and step 0
                 for t in state_tensors():
                     t.zero_()

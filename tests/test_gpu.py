@@ -106,6 +106,7 @@ def test_token_budget_that_does_not_fit_names_one_that_does(compile):
     assert LENGTH <= fits < 4096 * LENGTH
     del w, e
     torch.cuda.empty_cache()
+    print(f"after the failed start-up: {torch.cuda.memory_allocated() / 2**30:.2f} GB still allocated")
     w = make_worker(compile=compile, token_budget=fits)
     with torch.cuda.stream(w.stream):
         w.warm_up()
