@@ -481,8 +481,9 @@ def rows_that_should_fit(device, one_row_step, drop_capture):
     the run runs it, compiled with --compile, without a graph), with 10% to spare. drop_capture()
     frees what a warm-up left first. Returns (rows, bytes per row)."""
     drop_capture()
-    # The measured run is the second: a first one also holds what compiling, autotuning and first
-    # use allocate once (on an H200 one compiled row measured 0.4 GB first, 0.1 GB after).
+    # The measured run is the second: the first also compiles, autotunes and makes first-use
+    # allocations, and what it measured varied (on an H200 the target's estimate from a first run
+    # was 2.6x smaller than from a second; docs/benchmarks.md, sixth session).
     one_row_step()
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats(device)

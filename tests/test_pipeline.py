@@ -295,9 +295,9 @@ def test_out_of_memory_at_start_up_names_a_budget_that_was_tried(fake_gpu_memory
 @pytest.mark.parametrize("compile", [False, True])
 def test_drafter_out_of_memory_names_a_budget_that_then_warms_up(fake_gpu_memory, compile):
     # One row takes 1 GB, but its first run also holds 3 GB allocated once (compiling,
-    # autotuning: on an H200 one compiled row measured 0.4 GB first, 0.1 GB after). The estimate
-    # comes from a second run: 90 rows, then 15% fewer each time. The budget the error names is
-    # what the next start-up is given, and it warms up as it is, with or without --compile.
+    # autotuning, first use). The estimate comes from a second run: 90 rows, then 15% fewer each
+    # time. The budget the error names is what the next start-up is given, and it warms up as it
+    # is, with or without --compile (no check against the estimate refuses it first).
     L = 512
 
     class FakeWorker:
