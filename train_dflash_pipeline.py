@@ -495,13 +495,15 @@ def rows_that_should_fit(device, one_row_step, drop_capture):
     return max(int(0.9 * (free + torch.cuda.memory_allocated(device) - base) // per_row), 0), per_row
 
 
-def budget_does_not_fit(stage, device, args, warm, drop_capture, estimate):
-    """After warm(rows) ran out of memory at start-up: try the estimated rows (from
-    rows_that_should_fit) with warm, 15% fewer after each failure (a CUDA graph capture, or a batch
-    far larger than one row, can need more than the estimate: measured on an H200,
-    docs/benchmarks.md). drop_capture() after every try: the run stops either way. Returns the
-    error message, naming the largest budget that was tried and fit."""
-    rows, per_row = estimate
+def budget_error(stage, device, args, warm, one_row_step, drop_capture):
+    """Runs warm(rows) at the --token-budget's rows; None if that fits. If it runs out of memory:
+    estimate the rows that should fit (rows_that_should_fit), try them with warm, 15% fewer after
+    each failure (a CUDA graph capture, or a batch far larger than one row, can need more than the
+    estimate: measured on an H200, docs/benchmarks.md), and return the error message naming the
+    largest budget that was tried and fit. drop_capture() after every try: the run stops either way."""
+    if fits_in_memory(lambda: warm(args.token_budget // args.max_length)):
+        return None
+    rows, per_row = rows_that_should_fit(device, one_row_step, drop_capture)
     while rows > 0:
         fits = fits_in_memory(lambda: warm(rows))
         drop_capture()
@@ -524,12 +526,10 @@ def warm_up_target(replicas, args, log):
             r.features(r.synthetic_batch(rows, args.max_length))
 
     for r in replicas:
-        if fits_in_memory(lambda: warm(r, args.token_budget // args.max_length)):
-            continue
-        estimate = rows_that_should_fit(r.device, lambda: r.features(r.synthetic_batch(1, args.max_length)),
-                                        r.drop_capture)
-        raise UsageError(budget_does_not_fit("target stage", r.device, args, lambda rows: warm(r, rows), r.drop_capture,
-                                             estimate))
+        error = budget_error("target stage", r.device, args, lambda rows: warm(r, rows),
+                             lambda: r.features(r.synthetic_batch(1, args.max_length)), r.drop_capture)
+        if error:
+            raise UsageError(error)
     if args.compile:
         log(f"target: forward captured as a CUDA graph on {[str(r.device) for r in replicas]}")
 
@@ -818,10 +818,10 @@ class DrafterWorker:
         t0 = time.perf_counter()
         self.run.log(f"drafter worker {self.rank}: " + ("compiling and capturing the step" if a.compile
                      else "compiling flex_attention") + f" on {self.device}")
-        if not fits_in_memory(lambda: self.warm_step(a.token_budget // a.max_length)):
-            one_row = lambda: self.forward_backward(self.synthetic_inputs(1, self.run.features_dim))
-            raise RuntimeError(budget_does_not_fit("drafter step", self.device, a, self.warm_step, self.drop_capture,
-                                                   rows_that_should_fit(self.device, one_row, self.drop_capture)))
+        one_row = lambda: self.forward_backward(self.synthetic_inputs(1, self.run.features_dim))
+        error = budget_error("drafter step", self.device, a, self.warm_step, one_row, self.drop_capture)
+        if error:
+            raise RuntimeError(error)
         self.run.log(f"drafter worker {self.rank}: ready in {time.perf_counter() - t0:.0f}s")
 
     def warm_step(self, rows):
