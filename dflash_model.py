@@ -10,6 +10,7 @@ never stored in the drafter's checkpoint.
 Read top to bottom: config -> layers -> model -> training objective -> inference -> checkpoint.
 """
 
+import copy
 import functools
 import inspect
 import json
@@ -41,6 +42,16 @@ def default_target_layer_ids(num_target_layers, num_draft_layers):
     return [int(round(1 + i * span / (num_draft_layers - 1))) for i in range(num_draft_layers)]
 
 
+def check_target_layer_ids(layer_ids, num_target_layers):
+    """Layers in [0, L - 1): for the target's last layer the reference decoder and SGLang hand the
+    drafter the final-normed hidden_states[L], not the layer's own output that training reads."""
+    bad = [i for i in layer_ids if not 0 <= i < num_target_layers - 1]
+    if bad:
+        raise ValueError(f"target layer ids {bad} are outside [0, {num_target_layers - 1}) for a target of "
+                         f"{num_target_layers} layers: the last layer ({num_target_layers - 1}) is read final-normed "
+                         "by the servers, which training cannot match")
+
+
 def text_config(config):
     return config.get_text_config() if hasattr(config, "get_text_config") else config
 
@@ -64,8 +75,7 @@ def make_drafter_config(target_config, mask_token_id, num_draft_layers=5, block_
     if target_layer_ids is None:
         target_layer_ids = default_target_layer_ids(num_target_layers, num_draft_layers)
     target_layer_ids = [int(i) for i in target_layer_ids]
-    if not all(0 <= i < num_target_layers for i in target_layer_ids):
-        raise ValueError(f"target_layer_ids {target_layer_ids} must lie in [0, {num_target_layers})")
+    check_target_layer_ids(target_layer_ids, num_target_layers)
     if block_size < 2:
         raise ValueError(f"block_size must be at least 2, got {block_size}")
     if not 0 <= mask_token_id < tc.vocab_size:
@@ -407,9 +417,9 @@ class DFlashDraftModel(nn.Module):
         self.fc = nn.Linear(len(self.target_layer_ids) * h, h, bias=False)
         self.hidden_norm = RMSNorm(h, config.rms_norm_eps)
         self.rotary_emb = Qwen3RotaryEmbedding(config)  # non-persistent buffers only
-        # The target's frozen embedding and LM head: buffers, so they follow .to() but stay out
-        # of state_dict and the checkpoint. Set by attach_target().
-        self.register_buffer("embed_weight", None, persistent=False)
+        # The target's frozen embedding module and LM head, set by set_target_parts(): never in
+        # state_dict or the checkpoint.
+        object.__setattr__(self, "embed_tokens", None)
         self.register_buffer("lm_head_weight", None, persistent=False)
         self.apply(self._init_weights)
 
@@ -418,14 +428,21 @@ class DFlashDraftModel(nn.Module):
         if isinstance(m, nn.Linear):
             nn.init.normal_(m.weight, std=0.02)
 
+    def set_target_parts(self, embedding, lm_head_weight):
+        """The target's frozen input embedding module and LM head weight, on this drafter's
+        device. Block tokens go through the embedding module's own forward, as the serving stacks
+        embed them: targets that scale their embedding (Gemma: x sqrt(hidden)) stay right."""
+        embedding.requires_grad_(False)
+        object.__setattr__(self, "embed_tokens", embedding)  # not a submodule: kept out of the checkpoint
+        self.lm_head_weight = lm_head_weight
+        return self
+
     def attach_target(self, target, dtype=None):
         """Use the target's embedding and LM head, frozen (copied to this drafter's device)."""
-        emb = target.get_input_embeddings().weight.detach()
-        head = target.get_output_embeddings().weight.detach()
         dev = next(self.parameters()).device
-        self.embed_weight = emb.to(dev, dtype or emb.dtype)
-        self.lm_head_weight = head.to(dev, dtype or head.dtype)
-        return self
+        head = target.get_output_embeddings().weight.detach()
+        return self.set_target_parts(embedding_on(target.get_input_embeddings(), dev, dtype),
+                                     head.to(dev, dtype or head.dtype))
 
     def num_parameters(self):
         return sum(p.numel() for p in self.parameters())
@@ -440,7 +457,7 @@ class DFlashDraftModel(nn.Module):
 
     def draft_hidden(self, block_ids, block_positions, ctx_kv, attend):
         """Final-norm hidden states of the block slots; logits are these @ lm_head_weight.T."""
-        x = F.embedding(block_ids, self.embed_weight).to(self.fc.weight.dtype)
+        x = self.embed_tokens(block_ids).to(self.fc.weight.dtype)
         cos, sin = self.rotary_emb(x, block_positions)
         for layer, (k, v) in zip(self.layers, ctx_kv):
             x = layer(x, cos, sin, k, v, attend)
@@ -600,6 +617,14 @@ class DFlashDraftModel(nn.Module):
         return model.to(device=device, dtype=dtype)
 
 
+def embedding_on(module, device, dtype=None):
+    """The target's embedding module on device in dtype: itself where it already is, else a copy."""
+    w = module.weight
+    if w.device == torch.device(device) and (dtype is None or w.dtype == dtype):
+        return module
+    return copy.deepcopy(module).to(device, dtype or w.dtype)
+
+
 def serving_config_dict(config):
     d = config.to_dict()
     theta, scaling = rope_fields(config)
@@ -613,6 +638,8 @@ def serving_config_dict(config):
         block_size=config.block_size,
         num_target_layers=config.num_target_layers,
         dflash_config=dict(config.dflash_config),
+        # vLLM builds before its DFlash layer-offset fix read only this field (layer i -> i + 1)
+        eagle_aux_hidden_state_layer_ids=[i + 1 for i in config.dflash_config["target_layer_ids"]],
         layer_types=["full_attention"] * config.num_hidden_layers,
         num_hidden_layers=config.num_hidden_layers,
         torch_dtype="bfloat16",

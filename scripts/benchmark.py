@@ -93,13 +93,13 @@ def build_drafter(cfg, a, device, embed, head):
                                   block_size=a.block)
     torch.manual_seed(0)
     d = dm.DFlashDraftModel(dcfg).to(device).train()
-    d.embed_weight, d.lm_head_weight = embed.to(device), head.to(device)
+    d.set_target_parts(torch.nn.Embedding.from_pretrained(embed.to(device)), head.to(device))
     return d
 
 
 def fake_run(args, features_dim):
     """What a DrafterWorker reads from its Run when driven directly, without the pipeline."""
-    return types.SimpleNamespace(lr_at=lambda s: args.lr, features_dim=features_dim, log=print)
+    return types.SimpleNamespace(lr_for_step=lambda s: args.lr, features_dim=features_dim, log=print)
 
 
 def synthetic_batch(a, vocab, device, seed=0, features_dim=None):
@@ -345,8 +345,8 @@ def ce_memory_table(a, report):
         report(f"  chunk {chunk:6d}{' (unchunked)' if chunk == P else '':12s}: {peak / 2**30:6.2f} GB")
 
 
-class SyntheticStream:
-    """Stand-in for BatchStream: a few random packed batches, cycled."""
+class SyntheticBatches:
+    """Stand-in for BatchSequence: a few random packed batches, cycled."""
 
     def __init__(self, a, vocab):
         self.batches = [{k: v.pin_memory() for k, v in synthetic_batch(a, vocab, "cpu", seed=s).items()}
@@ -375,7 +375,9 @@ def pipeline_throughput(a, cfg, replicas, drafter_devices, embed, head, compile,
     for r in replicas:
         r.drop_capture()
     drafters = [build_drafter(cfg, a, dev, embed, head) for dev in drafter_devices]
-    run = ThroughputRun(args, a.pipeline_steps, 1, 0, SyntheticStream(a, cfg.vocab_size),
+    plan = tp.RunPlan(0, 0, len(drafter_devices), {"total_batches": a.pipeline_steps * len(drafter_devices),
+                      "warmup_batches": len(drafter_devices)}, {}, {})
+    run = ThroughputRun(args, plan, SyntheticBatches(a, cfg.vocab_size),
                  [r.device for r in replicas] + [torch.device(d) for d in drafter_devices],
                  open(os.path.join(a.output_dir, "train.log"), "a"))
     t0 = time.perf_counter()

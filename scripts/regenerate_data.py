@@ -23,7 +23,6 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import train_dflash_pipeline as tp  # noqa: E402
-from scripts.eval_acceptance import load_target  # noqa: E402
 
 
 def read_todo(path, done):
@@ -119,7 +118,7 @@ def main(argv=None):
 
     def replica(dev):
         try:
-            model = load_target(path, dev)
+            model = tp.load_full_target(path, dev)
             while not errors:
                 try:
                     batch = batches.get_nowait()

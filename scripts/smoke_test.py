@@ -69,7 +69,7 @@ def main(argv=None):
     parser.description = __doc__.split("\n")[0]
     parser.add_argument("--smoke-steps", type=int, default=20, help="training steps to run")
     parser.add_argument("--time-limit", type=float, default=1800, help="seconds before the smoke test gives up")
-    args = tp.apply_demo_defaults(parser, parser.parse_args(argv))
+    args = tp.apply_demo_defaults(parser, parser.parse_args(argv), argv)
 
     def give_up():
         print(f"\n[FAIL] time limit: the smoke test did not finish within {args.time_limit:.0f}s", flush=True)
@@ -93,15 +93,15 @@ def main(argv=None):
     check("settings and layout", settings)
 
     def data():
-        s["tokenizer"], s["corpus"], s["stream"] = tp.prepare_data(args, s["tc"], lambda m: None)
-        st = s["corpus"].stats
-        return (f"{st['documents']} documents from {st['rows']} rows, {st['truncated']} truncated, "
-                f"skipped {sum(st['skipped'].values())} {st['skipped'] or ''}; packing "
-                f"{s['stream'].packing_efficiency:.1%}")
+        s["tokenizer"] = tp.load_tokenizer(args.target_model)
+        s["corpus"], s["batches"] = tp.prepare_data(args, s["tokenizer"], s["tc"].vocab_size, lambda m: None)
+        args.mask_token_id = tp.choose_mask_token_id(s["tokenizer"], s["tc"].vocab_size, s["corpus"],
+                                                     args.mask_token_id, args.target_model, args.chat_template_kwargs)
+        return f"{s['corpus'].stats.summary()[0]}; packing {s['batches'].packing_efficiency:.1%}"
     check("data reads and tokenises", data)
 
     def target():
-        s["replicas"], s["embed"], s["head"] = tp.load_target(args.target_model, s["targets"], args.layer_ids, s["log"])
+        s["replicas"], s["embed"], s["head"] = tp.load_target_replicas(args.target_model, s["targets"], args.layer_ids, s["log"])
         rows = args.token_budget // args.max_length
         for r in s["replicas"]:
             out = r.features(r.synthetic_batch(rows, args.max_length))
@@ -117,7 +117,9 @@ def main(argv=None):
 
     def steps():
         total = args.max_steps
-        run = tp.Run(args, total, max(1, total // 10), 0, s["stream"], s["targets"] + s["drafters"], s["log_file"])
+        settings = tp.run_settings(args, s["corpus"], tp.resolve_data_paths(args.data))
+        plan = tp.plan_run(args, settings, s["batches"], len(s["drafters"]), None, s["log"])
+        run = tp.Run(args, plan, s["batches"], s["targets"] + s["drafters"], s["log_file"])
         tp.run_pipeline(run, s["replicas"], s["models"], s["drafters"], show_progress=False)
         s["run"] = run
         if run.errors:
@@ -155,9 +157,10 @@ def main(argv=None):
     check("memory after warm-up does not grow", memory)
 
     def checkpoint():
-        ckpt = tp.find_resume_dir("auto", args.output_dir)
-        if ckpt is None:
+        found = tp.find_checkpoint("auto", args.output_dir, s["log"])
+        if found is None:
             raise CheckFailed("no checkpoint was written")
+        ckpt = found[0]
         worker = s["run"].workers[0]
         loaded = dm.DFlashDraftModel.from_pretrained(ckpt, device=worker.device)
         for (n, p), q in zip(worker.drafter.named_parameters(), loaded.parameters()):

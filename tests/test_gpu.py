@@ -29,9 +29,9 @@ def make_worker(compile, seed=0, device="cuda:0", rank=0, averager=None, attenti
     cfg = dm.make_drafter_config(tc, mask_token_id=31999, num_draft_layers=2, block_size=16)
     drafter = dm.DFlashDraftModel(cfg).to(device).train()
     g = torch.Generator().manual_seed(99)
-    drafter.embed_weight = (torch.randn(32000, 1024, generator=g) * 0.02).to(device, torch.bfloat16)
-    drafter.lm_head_weight = (torch.randn(32000, 1024, generator=g) * 0.02).to(device, torch.bfloat16)
-    run = types.SimpleNamespace(lr_at=lambda step: 3e-4 * min(1.0, step / 5), features_dim=2 * 1024,
+    embed = torch.nn.Embedding.from_pretrained((torch.randn(32000, 1024, generator=g) * 0.02).to(device, torch.bfloat16))
+    drafter.set_target_parts(embed, (torch.randn(32000, 1024, generator=g) * 0.02).to(device, torch.bfloat16))
+    run = types.SimpleNamespace(lr_for_step=lambda step: 3e-4 * min(1.0, step / 5), features_dim=2 * 1024,
                                 log=print)
     w = tp.DrafterWorker(rank, torch.device(device), drafter, args, averager or tp.GradAverager(1), run)
     return w

@@ -60,7 +60,9 @@ def test_end_to_end_two_workers(tmp_path, tiny_model_dir):
     assert m[-1]["loss"] < m[0]["loss"] * 0.9, [x["loss"] for x in m]
     out = tmp_path / "out"
     assert sorted(os.listdir(out / "checkpoints")) == ["step_10", "step_20", "step_30"]
-    assert sorted(os.listdir(out / "final")) == ["config.json", "model.safetensors"]
+    assert sorted(os.listdir(out / "final")) == ["config.json", "dflash_training.json", "model.safetensors"]
+    record = json.loads((out / "final" / "dflash_training.json").read_text())
+    assert record["chat_template_kwargs"] == {} and record["block_size"] == 4 and record["mask_token_id"] >= 0
     drafter = dm.DFlashDraftModel.from_pretrained(out / "final")
     assert drafter.block_size == 4 and len(drafter.layers) == 2
     log = (out / "train.log").read_text()
@@ -124,9 +126,11 @@ def test_malformed_rows_counted_not_fatal(tmp_path, tiny_model_dir):
     data = write_jsonl(tmp_path / "d.jsonl", rows)
     r = run_cli(tmp_path, tiny_model_dir, data, "--max-steps", "2", "--target-gpus", "cpu", "--drafter-gpus", "cpu")
     assert r.returncode == 0, r.stderr
-    assert "d.jsonl:31: bad JSON" in r.stdout
-    assert "unknown role 'wizard'" in r.stdout and "no assistant turn" in r.stdout
-    assert "4 rows skipped" in r.stdout
+    assert "34 rows (4 skipped)" in r.stdout
+    assert "skipped rows: 1 x bad JSON: Expecting property name enclosed in double quotes (e.g. d.jsonl:31)" in r.stdout
+    assert "1 x unknown role 'wizard' (e.g. d.jsonl:33)" in r.stdout
+    assert "1 x no assistant turn (e.g. d.jsonl:34)" in r.stdout and "1 x empty conversation" in r.stdout
+    assert "warning: skipping" not in r.stdout  # summarised, never row by row
 
 
 def test_mostly_bad_corpus_and_missing_file_refused(tmp_path, tiny_model_dir):
@@ -159,7 +163,7 @@ def test_assistant_only_loss_mask():
     tok = tiny_tokenizer()
     msgs = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"},
             {"role": "user", "content": "q"}, {"role": "assistant", "content": "ab"}]
-    ids, mask = tp.tokenize_conversation(tok, msgs)
+    (ids, mask), = tp.conversation_documents(tok, msgs, 128, {}, tp.DocumentStats(), "test")
     text = "".join(tok.convert_ids_to_tokens(i) for i, m in zip(ids, mask) if m)
     assert text == "yo<|end|>ab<|end|>"
 
@@ -175,7 +179,7 @@ def test_packing_deterministic_and_complete():
 
 def test_packed_documents_do_not_see_each_other(tiny_model_dir):
     """The target stage gives a document the same features packed with others as alone."""
-    replicas, _, _ = tp.load_target(tiny_model_dir, [torch.device("cpu")], [1, 3], log=lambda *a: None)
+    replicas, _, _ = tp.load_target_replicas(tiny_model_dir, [torch.device("cpu")], [1, 3], log=lambda *a: None)
     rep = replicas[0]
     g = torch.Generator().manual_seed(0)
     docs = [torch.randint(0, 100, (n,), generator=g) for n in (7, 12, 5)]

@@ -8,6 +8,7 @@ import torch
 
 import dflash_model as dm
 from conftest import tiny_target, tiny_tokenizer, write_jsonl
+import train_dflash_pipeline as tp
 from scripts import eval_acceptance as ev
 from scripts import regenerate_data as rg
 from test_pipeline import ROOT, chat_rows
@@ -54,7 +55,7 @@ def run_with_oracle(models, correct, monkeypatch):
         finally:
             del self.draft_logits
     monkeypatch.setattr(dm.DFlashDraftModel, "spec_generate", spec)
-    return ev.evaluate_models(target, tok, drafter, PROMPTS, "cpu", 21, log=lambda *a: None)
+    return tp.evaluate_models(target, tok, drafter, PROMPTS, "cpu", 21, log=lambda *a: None)
 
 
 def test_acceptance_of_perfect_drafter(models, monkeypatch):
@@ -72,7 +73,7 @@ def test_teacher_forced_tau_matches_real_acceptance_per_block(models):
     anchor against the same text (train/serve agreement of the metric). The text is built so
     that the drafter's first slot is always right, so the values are not trivially 1."""
     target, tok, drafter = models
-    ids = ev.chat_ids(tok, [{"role": "user", "content": "the cat sat"}], "cpu")
+    ids = tp.chat_ids(tok, [{"role": "user", "content": "the cat sat"}], "cpu")
 
     def draft_at(prefix_tokens):
         prefix = torch.cat([ids[0], torch.tensor(prefix_tokens, dtype=torch.long)])[None]
@@ -85,7 +86,7 @@ def test_teacher_forced_tau_matches_real_acceptance_per_block(models):
     gen = [5]
     for _ in range(10):
         gen.append(draft_at(gen)[0])
-    total, blocks = ev.teacher_forced_tau(target, drafter, ids, gen)
+    total, blocks = tp.teacher_forced_tau(target, drafter, ids, gen)
     assert blocks == len(gen) - 1
     expected = 0
     for k in range(len(gen) - 1):
@@ -113,7 +114,7 @@ def test_lossless_check_fires(models, monkeypatch):
         out, acc = real(self, *a, **k)
         return [out[0] + 1] + out[1:], acc
     monkeypatch.setattr(dm.DFlashDraftModel, "spec_generate", corrupt)
-    r = ev.evaluate_models(target, tok, drafter, PROMPTS[:1], "cpu", 8, log=lambda *a: None)
+    r = tp.evaluate_models(target, tok, drafter, PROMPTS[:1], "cpu", 8, log=lambda *a: None)
     assert not r["lossless"] and r["mismatches"][0]["first_difference_at"] == 0
 
 
