@@ -293,16 +293,28 @@ class DocumentStats:
 
 def cover(ids, mask, max_length):
     """Windows of at most max_length tokens that together put loss on every masked token once:
-    [(start, end, first trained position)]. A window keeps as much of what precedes its trained
-    tokens as fits, and at least a quarter of max_length of it where there is that much."""
-    n, trained = len(ids), [k for k, m in enumerate(mask) if m]
-    out, k = [], 0
-    while k < len(trained):
-        cur = trained[k]
-        end = min(n, cur + max_length - min(cur, max_length // 4))
-        out.append((max(0, end - max_length), end, cur))
-        while k < len(trained) and trained[k] < end:
+    [(start, end, first trained position)]. A window trains whole turns (runs of masked tokens)
+    where they fit, splitting only a turn longer than a window; it keeps at least a quarter of
+    max_length of what precedes its first trained token (where there is that much), and as much
+    more as fits."""
+    n = len(ids)
+    runs, k = [], 0  # [(start, end)] of the masked runs
+    while k < n:
+        if mask[k]:
+            e = k
+            while e < n and mask[e]:
+                e += 1
+            runs.append((k, e))
+            k = e
+        else:
             k += 1
+    out, cur = [], runs[0][0] if runs else None
+    while cur is not None:
+        limit = cur + max_length - min(cur, max_length // 4)
+        ends = [e for _, e in runs if cur < e <= limit]
+        end = max(ends) if ends else min(limit, n)
+        out.append((max(0, end - max_length), end, cur))
+        cur = next((max(s, end) for s, e in runs if e > end), None)
     return out
 
 
@@ -590,11 +602,14 @@ def prepare_data(args, tokenizer, vocab_size, log):
 # -----------------------------------------------------------------------------
 # Target stage: frozen replicas, only as deep as the deepest captured layer, no LM head
 
-def document_causal_mask(doc_ids, dtype):
+def document_causal_mask(doc_ids, dtype, sliding_window=None):
     """Additive [R, 1, L, L] mask: causal and within one document (packed documents are
-    independent). A finite minimum keeps padding rows free of NaN."""
+    independent); with sliding_window, keys fewer than that many positions back only (the rule
+    of transformers' sliding-attention layers). A finite minimum keeps padding rows free of NaN."""
     L = doc_ids.shape[1]
     causal = torch.ones(L, L, dtype=torch.bool, device=doc_ids.device).tril()
+    if sliding_window is not None:
+        causal = causal & ~torch.ones_like(causal).tril(-sliding_window)
     allowed = causal & (doc_ids[:, :, None] == doc_ids[:, None, :])
     mask = torch.zeros(allowed.shape, dtype=dtype, device=doc_ids.device)
     return mask.masked_fill_(~allowed, torch.finfo(dtype).min)[:, None]
@@ -610,11 +625,18 @@ class TargetReplica:
     def __init__(self, model, layer_ids, device):
         self.model, self.layer_ids, self.device = model, layer_ids, device
         self.dtype = next(model.parameters()).dtype
+        tc = dm.text_config(model.config)
+        # Targets with sliding-window layers (Gemma 3) take one mask per layer type.
+        sliding = "sliding_attention" in (getattr(tc, "layer_types", None) or [])
+        self.sliding_window = getattr(tc, "sliding_window", None) if sliding else None
         self.graph, self.static_in, self.static_out = None, None, None
 
     def forward(self, input_ids, position_ids, doc_ids):
         """Concatenated outputs of the captured layers, [R, L, n*H]."""
         mask = document_causal_mask(doc_ids, self.dtype)
+        if self.sliding_window is not None:
+            mask = {"full_attention": mask,
+                    "sliding_attention": document_causal_mask(doc_ids, self.dtype, self.sliding_window)}
         base = getattr(self.model, self.model.base_model_prefix)
         with dm.capture_layer_outputs(self.model, self.layer_ids) as outs:
             base(input_ids=input_ids, attention_mask=mask, position_ids=position_ids, use_cache=False)

