@@ -16,6 +16,7 @@ import inspect
 import json
 import os
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -539,61 +540,17 @@ class DFlashDraftModel(nn.Module):
     # --- inference --------------------------------------------------------------------------
 
     @torch.no_grad()
-    def draft_logits(self, ctx_kv, anchor_token, anchor_position):
-        """Logits [1, bs-1, V] for slots 1.. of a block at anchor_position, given the context cache."""
-        bs = self.block_size
-        block_ids = torch.full((1, bs), self.mask_token_id, dtype=torch.long, device=anchor_token.device)
-        block_ids[0, 0] = anchor_token
-        positions = anchor_position + torch.arange(bs, device=anchor_token.device)[None]
-        hidden = self.draft_hidden(block_ids, positions, ctx_kv, full_attend)
+    def draft_logits(self, ctx_kv, anchor_token, anchor_position, attend=full_attend):
+        """Logits [B, bs-1, V] for slots 1.. of B blocks: anchor tokens [B] (or one scalar) at
+        anchor positions [B] (or one number), given the context cache; attend: which context
+        keys each block sees (default: all of them)."""
+        bs, dev = self.block_size, self.lm_head_weight.device
+        anchor = torch.as_tensor(anchor_token, device=dev).reshape(-1)
+        block_ids = torch.full((len(anchor), bs), self.mask_token_id, dtype=torch.long, device=dev)
+        block_ids[:, 0] = anchor
+        positions = torch.as_tensor(anchor_position, device=dev).reshape(-1, 1) + torch.arange(bs, device=dev)
+        hidden = self.draft_hidden(block_ids, positions.expand(len(anchor), bs), ctx_kv, attend)
         return hidden[:, 1:].to(self.lm_head_weight.dtype) @ self.lm_head_weight.t()
-
-    @torch.no_grad()
-    def spec_generate(self, target, input_ids, max_new_tokens, stop_token_ids=()):
-        """Greedy speculative decoding. Returns (generated ids [n], acceptance lengths per step).
-
-        Convention (brief section 3): the block starts at the token the target just sampled (its
-        hidden state is unknown); the drafter's KV cache holds context keys/values of every token
-        the target has verified; the target's cache is cropped to the accepted prefix."""
-        dev = input_ids.device
-        cache = new_cache()
-        ctx_kv = None
-        stop = set(int(t) for t in stop_token_ids)
-
-        def target_step(ids, start):
-            pos = torch.arange(start, start + ids.shape[1], device=dev)[None]
-            with capture_layer_outputs(target, self.target_layer_ids) as feats:
-                logits = target(ids, position_ids=pos, use_cache=True, **{cache_kwarg(target): cache}).logits
-            return logits.argmax(-1), torch.cat(feats, -1), pos
-
-        def extend_context(ctx_kv, feats, pos):
-            new = self.context_kv(feats.to(self.fc.weight.dtype), pos)
-            if ctx_kv is None:
-                return new
-            return [(torch.cat([k, nk], 2), torch.cat([v, nv], 2)) for (k, v), (nk, nv) in zip(ctx_kv, new)]
-
-        pred, feats, pos = target_step(input_ids, 0)
-        ctx_kv = extend_context(ctx_kv, feats, pos)
-        out = [int(pred[0, -1])]
-        start = input_ids.shape[1]  # position of the token just sampled
-        accepted_lengths = []
-        while len(out) < max_new_tokens and out[-1] not in stop:
-            anchor = pred.new_tensor(out[-1])
-            draft = self.draft_logits(ctx_kv, anchor, start).argmax(-1)  # [1, bs-1]
-            verify = torch.cat([anchor.view(1, 1), draft], 1)
-            pred, feats, pos = target_step(verify, start)
-            # Accept the longest prefix where the draft equals the target's own greedy choice.
-            m = int((draft == pred[:, :-1]).long().cumprod(-1).sum())
-            new_tokens = draft[0, :m].tolist() + [int(pred[0, m])]
-            crop_cache(cache, start + m + 1)
-            ctx_kv = extend_context(ctx_kv, feats[:, :m + 1], pos[:, :m + 1])
-            start += m + 1
-            accepted_lengths.append(m + 1)
-            for t in new_tokens:
-                out.append(t)
-                if t in stop:
-                    break
-        return truncate_at_stop(out, max_new_tokens, stop), accepted_lengths
 
     # --- checkpoint -------------------------------------------------------------------------
 
@@ -700,38 +657,332 @@ def cache_kwarg(model):
     return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
 
-def new_cache():
+# -----------------------------------------------------------------------------
+# Batched decoding: many rows at once over one slot-addressed KV cache
+#
+# Every step appends q positions to all B rows at the same cache slots [c, c + q), each row at
+# its own RoPE positions. Which slots a row keeps (not left padding, not rejected drafts) is a
+# per-row mask that decides what later queries see, so rows may keep different numbers of tokens
+# per step while every shape stays fixed, and a step can be replayed as a CUDA graph. Plain
+# generation runs it with q = 1 (regeneration, greedy references); batched speculative decoding
+# with q = block size (verification), the drafter's context cache sharing the target's slots.
+
+def kv_layout(config):
+    """(layers, kv heads, head dim) of a decoder config."""
+    tc = text_config(config)
+    heads = tc.num_attention_heads
+    return (tc.num_hidden_layers, getattr(tc, "num_key_value_heads", None) or heads,
+            getattr(tc, "head_dim", None) or tc.hidden_size // heads)
+
+
+def check_batchable(config):
+    tc = text_config(config)
+    if "sliding_attention" in (getattr(tc, "layer_types", None) or []) or getattr(tc, "use_sliding_window", False):
+        raise ValueError(f"{type(tc).__name__} has sliding-window layers: the batched decoder does not handle them")
+
+
+def _slot_cache_class():
     from transformers import DynamicCache
-    return DynamicCache()
+
+    class SlotCache(DynamicCache):
+        """[rows, kv heads, slots, head dim] per layer, written at the slots `write_slots` (a device
+        tensor the decoder fills before each forward) of the rows `rows` (a slice)."""
+
+        def __init__(self, config, batch, slots, dtype, device):
+            super().__init__()
+            n, kvh, hd = kv_layout(config)
+            self.slot_keys = [torch.zeros(batch, kvh, slots, hd, dtype=dtype, device=device) for _ in range(n)]
+            self.slot_values = [torch.zeros_like(k) for k in self.slot_keys]
+            self.write_slots, self.rows, self.length = None, slice(None), 0
+
+        def update(self, key_states, value_states, layer_idx, *args, **kwargs):  # kwargs differ by version
+            k, v = self.slot_keys[layer_idx][self.rows], self.slot_values[layer_idx][self.rows]
+            k.index_copy_(2, self.write_slots, key_states.to(k.dtype))
+            v.index_copy_(2, self.write_slots, value_states.to(v.dtype))
+            return k, v
+
+        def get_seq_length(self, layer_idx=0):
+            return self.length
+    return SlotCache
 
 
-def crop_cache(cache, length):
-    # A negative argument removes that many tokens in transformers 4.x and 5.x alike.
-    extra = cache.get_seq_length() - length
-    if extra > 0:
-        cache.crop(-extra)
+def additive_mask(allowed, dtype):
+    """[B, q, S] bool -> [B, 1, q, S] additive (finite minimum: a row that sees nothing stays finite)."""
+    return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill_(
+        ~allowed, torch.finfo(dtype).min)[:, None]
 
 
-def truncate_at_stop(tokens, max_new_tokens, stop):
-    tokens = tokens[:max_new_tokens]
-    for i, t in enumerate(tokens):
+class BatchDecoder:
+    """A target decoding `batch` rows over `slots` cache slots (see the section comment). With
+    graph=True (CUDA) each step width q is captured once as a CUDA graph and replayed. layer_ids:
+    target layers whose outputs step() also returns (the drafter's features)."""
+
+    def __init__(self, model, batch, slots, layer_ids=(), graph=False, prefill_elements=2**27):
+        check_batchable(model.config)
+        p = next(model.parameters())
+        self.model, self.B, self.S, self.device, self.dtype = model, batch, slots, p.device, p.dtype
+        self.cache = _slot_cache_class()(model.config, batch, slots, p.dtype, p.device)
+        self.layer_ids, self.kw = list(layer_ids), cache_kwarg(model)
+        self.use_graph = graph and p.device.type == "cuda"
+        self.prefill_elements = prefill_elements  # rows x prompt x slots per prefill chunk (mask memory)
+        self.graphs = {}
+        self.kept = torch.zeros(batch, slots, dtype=torch.bool, device=p.device)
+        self.reset()
+
+    def reset(self):
+        self.kept.zero_()
+        self.next_pos = torch.zeros(self.B, dtype=torch.long, device=self.device)
+        self.c = 0
+
+    def _forward(self, ids, positions, slots, allowed):
+        self.cache.write_slots, self.cache.length = slots, self.c
+        with capture_layer_outputs(self.model, self.layer_ids) as feats:
+            logits = self.model(input_ids=ids, position_ids=positions, attention_mask=additive_mask(allowed, self.dtype),
+                                use_cache=True, **{self.kw: self.cache}).logits
+        return logits, (torch.cat(feats, -1) if self.layer_ids else None)
+
+    def prefill(self, prompts):
+        """Left-padded prompts (token lists, at most B; missing rows repeat the first) into slots
+        [0, P). Returns (logits at each row's last prompt token [B, V], features [B, P, F] or None)."""
+        prompts = list(prompts) + [prompts[0]] * (self.B - len(prompts))
+        P = max(len(p) for p in prompts)
+        if P > self.S:
+            raise ValueError(f"a prompt of {P} tokens does not fit {self.S} cache slots")
+        ids = torch.zeros(self.B, P, dtype=torch.long)
+        pos = torch.zeros(self.B, P, dtype=torch.long)
+        valid = torch.zeros(self.B, P, dtype=torch.bool)
+        for r, p in enumerate(prompts):
+            ids[r, P - len(p):] = torch.as_tensor(p)
+            pos[r, P - len(p):] = torch.arange(len(p))
+            valid[r, P - len(p):] = True
+        ids, pos, valid = ids.to(self.device), pos.to(self.device), valid.to(self.device)
+        self.reset()
+        slots = torch.arange(P, device=self.device)
+        causal = torch.ones(P, self.S, dtype=torch.bool, device=self.device).tril()
+        logits, feats = [], []
+        step = max(1, self.prefill_elements // (P * self.S))
+        for r0 in range(0, self.B, step):
+            rows = slice(r0, min(self.B, r0 + step))
+            self.cache.rows = rows
+            allowed = causal & F.pad(valid[rows], (0, self.S - P))[:, None, :]
+            lg, ft = self._forward(ids[rows], pos[rows], slots, allowed)
+            logits.append(lg[:, -1])
+            feats.append(ft)
+        self.cache.rows = slice(None)
+        self.kept[:, :P] = valid
+        self.next_pos = valid.sum(1)
+        self.c = P
+        return torch.cat(logits), (torch.cat(feats) if self.layer_ids else None)
+
+    def _step_eager(self, ids, slots):
+        q = ids.shape[1]
+        positions = self.next_pos[:, None] + torch.arange(q, device=self.device)
+        slot = torch.arange(self.S, device=self.device)
+        new = (slot[None, :] >= slots[0]) & (slot[None, :] <= slots[:, None])  # [q, S]: causal in the block
+        allowed = self.kept[:, None, :] | new[None]
+        return self._forward(ids, positions, slots, allowed)
+
+    def step(self, ids):
+        """ids [B, q] at slots [c, c + q); returns (logits [B, q, V], features [B, q, F] or None).
+        Nothing is kept until advance()."""
+        q = ids.shape[1]
+        if self.c + q > self.S:
+            raise ValueError(f"the batch ran out of cache slots ({self.S})")
+        slots = torch.arange(self.c, self.c + q, device=self.device)
+        self.last_q = q
+        if not self.use_graph:
+            return self._step_eager(ids, slots)
+        if q not in self.graphs:
+            static = {"ids": ids.clone(), "slots": slots.clone(), "next_pos": self.next_pos}
+            self._step_eager(static["ids"], static["slots"])  # warm-up: writes slots that the step rewrites
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, capture_error_mode="thread_local"):  # other threads may run CUDA work
+                static["out"] = self._step_eager(static["ids"], static["slots"])
+            self.graphs[q] = (graph, static)
+        graph, static = self.graphs[q]
+        static["ids"].copy_(ids)
+        static["slots"].copy_(slots)
+        static["next_pos"].copy_(self.next_pos)  # the captured step read this buffer
+        self.next_pos = static["next_pos"]
+        self.cache.length = self.c
+        graph.replay()
+        return static["out"]
+
+    def advance(self, keep):
+        """Each row keeps the first keep[r] (a [B] tensor) of the q positions the last step appended."""
+        q = self.last_q
+        self.kept[:, self.c:self.c + q] = torch.arange(q, device=self.device)[None] < keep[:, None]
+        self.next_pos = self.next_pos + keep
+        self.c += q
+
+
+def pick_tokens(logits, temperature=0.0, top_p=1.0, generator=None):
+    """[B, V] -> [B]: greedy at temperature 0, else sampled (nucleus top_p)."""
+    if temperature <= 0:
+        return logits.argmax(-1)
+    probs = torch.softmax(logits.float() / temperature, -1)
+    if top_p < 1.0:
+        sorted_p, order = probs.sort(-1, descending=True)
+        drop = sorted_p.cumsum(-1) - sorted_p > top_p  # keep the smallest prefix reaching top_p
+        probs = torch.zeros_like(probs).scatter_(-1, order, sorted_p.masked_fill(drop, 0.0))
+    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+
+
+def slots_for(prompt_len, new_slots, granule=256):
+    """Cache slots for a batch: its longest prompt rounded up (few distinct shapes, few graphs)."""
+    return -(-prompt_len // granule) * granule + new_slots
+
+
+def length_batches(prompts, batch_size):
+    """Batches of prompt indices, by length: prompts of a batch pad to about the same length."""
+    order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
+    return [order[i:i + batch_size] for i in range(0, len(order), batch_size)]
+
+
+def cut_at_stop(tokens, stop, max_new_tokens):
+    """(tokens through the first stop id, 'stop' | 'length')."""
+    for i, t in enumerate(tokens[:max_new_tokens]):
         if t in stop:
-            return tokens[:i + 1]
-    return tokens
+            return tokens[:i + 1], "stop"
+    return tokens[:max_new_tokens], "length"
 
 
 @torch.no_grad()
-def greedy_generate(target, input_ids, max_new_tokens, stop_token_ids=()):
-    """Plain greedy decoding with a KV cache: the reference speculative decoding must equal."""
-    cache = new_cache()
+def generate(model, prompts, max_new_tokens, stop_token_ids=(), batch_size=64, temperature=0.0, top_p=1.0,
+             seed=0, graph=True, progress=None):
+    """Completions of every prompt (lists of token ids), in order: [(tokens, 'stop' | 'length')].
+    Greedy at temperature 0 (equal to transformers' generate with do_sample=False), sampled
+    otherwise (seeded). progress(rows_done, new_tokens) after each batch."""
     stop = set(int(t) for t in stop_token_ids)
-    kw = cache_kwarg(target)
-    ids, out = input_ids, []
-    pos = torch.arange(input_ids.shape[1], device=input_ids.device)[None]
-    while len(out) < max_new_tokens:
-        tok = target(ids, position_ids=pos, use_cache=True, **{kw: cache}).logits[:, -1].argmax(-1)
-        out.append(int(tok))
-        if out[-1] in stop:
-            break
-        ids, pos = tok[:, None], pos[:, -1:] + 1
-    return out
+    dev = next(model.parameters()).device
+    stop_t = torch.tensor(sorted(stop) or [-1], device=dev)
+    gen = torch.Generator(device=dev).manual_seed(seed)
+    results, decoder = [None] * len(prompts), None
+    for idx in length_batches(prompts, batch_size):
+        rows = [prompts[i] for i in idx]
+        slots = slots_for(max(len(p) for p in rows), max_new_tokens)
+        if decoder is None or decoder.S != slots:
+            decoder = None  # its cache goes before the next one is allocated
+            decoder = BatchDecoder(model, batch_size, slots, graph=graph)
+        logits, _ = decoder.prefill(rows)
+        out = torch.empty(decoder.B, max_new_tokens, dtype=torch.long, device=dev)
+        done = torch.zeros(decoder.B, dtype=torch.bool, device=dev)
+        done[len(rows):] = True
+        ones = torch.ones(decoder.B, dtype=torch.long, device=dev)
+        for t in range(max_new_tokens):
+            tok = pick_tokens(logits, temperature, top_p, gen)
+            out[:, t] = tok
+            done |= torch.isin(tok, stop_t)
+            if t + 1 == max_new_tokens or (t % 16 == 15 and bool(done.all())):  # one host sync per 16 steps
+                break
+            logits, _ = decoder.step(tok[:, None])
+            decoder.advance(ones)
+            logits = logits[:, -1]
+        out = out[:len(rows), :t + 1].tolist()
+        for i, tokens in zip(idx, out):
+            results[i] = cut_at_stop(tokens, stop, max_new_tokens)
+        if progress is not None:
+            progress(len(rows), sum(len(results[i][0]) for i in idx))
+    return results
+
+
+def lookup_proposal(seq, max_tokens, max_ngram=3):
+    """Prompt-lookup drafting: the tokens that followed the most recent earlier occurrence of the
+    sequence's last n tokens (n = max_ngram down to 1), up to max_tokens of them; [] if none."""
+    arr = np.asarray(seq)
+    for n in range(min(max_ngram, len(arr) - 1), 0, -1):
+        windows = np.lib.stride_tricks.sliding_window_view(arr[:-1], n)
+        hits = np.flatnonzero((windows == arr[-n:]).all(1))
+        if len(hits):
+            start = int(hits[-1]) + n
+            return arr[start:start + max_tokens].tolist()
+    return []
+
+
+class DrafterContext:
+    """The drafter's context keys/values for a BatchDecoder: per draft layer [B, kv heads,
+    slots, head dim], at the target's slots (the same kept mask decides what a block sees)."""
+
+    def __init__(self, drafter, decoder):
+        n, kvh, hd = kv_layout(drafter.config)
+        shape = (decoder.B, kvh, decoder.S, hd)
+        dt = drafter.fc.weight.dtype
+        self.kv = [(torch.zeros(shape, dtype=dt, device=decoder.device), torch.zeros(shape, dtype=dt, device=decoder.device))
+                   for _ in range(n)]
+
+    def write(self, drafter, features, positions, slot0):
+        """Context keys/values of the target features [B, q, F] at positions [B, q] into slots
+        [slot0, slot0 + q)."""
+        for (k, v), (nk, nv) in zip(self.kv, drafter.context_kv(features.to(drafter.fc.weight.dtype), positions)):
+            k[:, :, slot0:slot0 + nk.shape[2]] = nk
+            v[:, :, slot0:slot0 + nv.shape[2]] = nv
+
+
+@torch.no_grad()
+def speculative_generate(model, prompts, max_new_tokens, stop_token_ids=(), drafter=None, block_size=16,
+                         batch_size=64, graph=True, max_ngram=3, progress=None):
+    """Greedy speculative decoding of every prompt, batched: a DFlash drafter (drafter given) or
+    prompt lookup (drafter None) proposes block_size - 1 tokens per row and step, the target
+    verifies all rows' blocks in one forward, and each row keeps its longest correct prefix plus
+    the target's next token. Returns [(tokens, [tokens gained per step])] per prompt, in order.
+
+    Convention (brief section 3): a block starts at the token the target just chose (its hidden
+    state unknown), the drafter's context is every token the target has verified."""
+    stop = set(int(t) for t in stop_token_ids)
+    bs = drafter.block_size if drafter is not None else block_size
+    dev = next(model.parameters()).device
+    results, decoder = [None] * len(prompts), None
+    for idx in length_batches(prompts, batch_size):
+        rows = [prompts[i] for i in idx]
+        slots = slots_for(max(len(p) for p in rows), (max_new_tokens + 1) * bs)
+        if decoder is None or decoder.S != slots:
+            decoder = None
+            decoder = BatchDecoder(model, batch_size, slots, drafter.target_layer_ids if drafter else (), graph)
+        logits, feats = decoder.prefill(rows)
+        ctx = None
+        if drafter is not None:
+            ctx = DrafterContext(drafter, decoder)
+            P = decoder.c
+            pos = (torch.arange(P, device=dev)[None] - (P - decoder.next_pos[:, None])).clamp(min=0)
+            ctx.write(drafter, feats, pos, 0)
+        anchor = logits.argmax(-1)
+        seqs = [list(p) + [int(a)] for p, a in zip(rows, anchor.tolist())]
+        outs = [[int(a)] for a in anchor.tolist()]
+        gained = [[] for _ in rows]
+        active = [int(a) not in stop and max_new_tokens > 1 for a in anchor.tolist()[:len(rows)]]
+        while any(active):
+            if drafter is not None:  # each block sees its row's verified slots, and itself
+                sees = torch.cat([decoder.kept, torch.ones(decoder.B, bs, dtype=torch.bool, device=dev)], 1)
+                draft = drafter.draft_logits(ctx.kv, anchor, decoder.next_pos, sdpa_attend(sees[:, None, None, :]))
+                draft = draft.argmax(-1)
+                proposed = torch.full((decoder.B,), bs - 1, device=dev)
+            else:
+                props = [lookup_proposal(q, bs - 1, max_ngram) if a else [] for q, a in zip(seqs, active)]
+                props += [[]] * (decoder.B - len(props))
+                draft = torch.tensor([p + [0] * (bs - 1 - len(p)) for p in props], device=dev)
+                proposed = torch.tensor([len(p) for p in props], device=dev)
+            c0 = decoder.c
+            logits, feats = decoder.step(torch.cat([anchor[:, None], draft], 1))
+            pred = logits.argmax(-1)  # [B, bs]
+            m = (draft == pred[:, :-1]).long().cumprod(-1).sum(-1).minimum(proposed)
+            decoder.advance(m + 1)  # the block's first token and its m accepted drafts are verified
+            if ctx is not None:
+                ctx.write(drafter, feats, decoder.next_pos[:, None] - (m + 1)[:, None] + torch.arange(bs, device=dev), c0)
+            anchor = pred.gather(1, m[:, None]).squeeze(1)
+            m_host, draft_host, anchor_host = m.tolist(), draft.tolist(), anchor.tolist()
+            for r in range(len(rows)):
+                if not active[r]:
+                    continue
+                new = draft_host[r][:m_host[r]] + [anchor_host[r]]
+                gained[r].append(len(new))
+                for t in new:
+                    outs[r].append(t)
+                    seqs[r].append(t)
+                    if t in stop or len(outs[r]) >= max_new_tokens:
+                        active[r] = False
+                        break
+        for i, r in zip(idx, range(len(rows))):
+            results[i] = (cut_at_stop(outs[r], stop, max_new_tokens)[0], gained[r])
+        if progress is not None:
+            progress(len(rows), sum(len(results[i][0]) for i in idx))
+    return results

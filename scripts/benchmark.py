@@ -2,6 +2,7 @@
 
     python scripts/benchmark.py                       # 2 GPUs: Qwen3-8B-shaped target on 0, drafter on 1
     python scripts/benchmark.py --preset small        # 1 GPU: a smaller target, both stages on GPU 0
+    python scripts/benchmark.py --generation --gen-model builtin:smollm2-135m-instruct   # generation engine
 
 In one run: drafter step time eager / compiled / compiled+graph; target batch time eager / graph;
 whole-pipeline tokens/s eager vs compiled; 1 vs 2 drafter threads; drafter step time with and
@@ -398,6 +399,42 @@ def pipeline_throughput(a, cfg, replicas, drafter_devices, embed, head, compile,
     return tok_s, recs[-1]
 
 
+def generation_throughput(a, report):
+    """Generated tokens/s of the batched engine (dm.generate) at a few batch sizes, eager and with
+    the decode step replayed as a CUDA graph: --gen-model (a model directory or builtin:...) or,
+    without one, a Qwen3-8B-shaped random-weight model. Every row decodes --gen-new-tokens (no
+    stop ids), from prompts of --gen-prompt-tokens random tokens."""
+    from transformers import AutoModelForCausalLM, Qwen3Config
+    if a.gen_model:
+        model = tp.load_full_target(a.gen_model, "cuda:0")
+        name = a.gen_model
+    else:
+        with torch.device("cuda:0"):
+            model = AutoModelForCausalLM.from_config(Qwen3Config(**PRESETS["qwen3-8b"]), dtype=torch.bfloat16).eval()
+        name = "Qwen3-8B-shaped (random weights)"
+    n_params = sum(p.numel() for p in model.parameters())
+    vocab = dm.text_config(model.config).vocab_size
+    report(f"generation: {name}, {n_params / 1e9:.2f}B parameters, prompts of {a.gen_prompt_tokens} tokens, "
+           f"{a.gen_new_tokens} new tokens per row")
+    out = {}
+    for batch in [int(b) for b in a.gen_batches.split(",")]:
+        g = torch.Generator().manual_seed(batch)
+        prompts = [torch.randint(0, vocab, (a.gen_prompt_tokens,), generator=g).tolist() for _ in range(2 * batch)]
+        for graph in (False, True):
+            dm.generate(model, prompts[:batch], 8, (), batch, graph=graph)  # warm-up (and capture)
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            res = dm.generate(model, prompts, a.gen_new_tokens, (), batch, graph=graph)
+            torch.cuda.synchronize()
+            dt = time.perf_counter() - t0
+            n = sum(len(t) for t, _ in res)
+            mode = "graph" if graph else "eager"
+            out[f"{batch}_{mode}"] = n / dt
+            report(f"  batch {batch:4d} {mode:5s}: {n / dt:9,.0f} generated tokens/s ({n} tokens in {dt:.1f}s, "
+                   f"{2 * n_params * n / dt / PEAK_FLOPS:.1%} MFU on weights)")
+    return out
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--preset", choices=sorted(PRESETS), default=None,
@@ -422,9 +459,16 @@ def main():
     p.add_argument("--ce-positions", type=int, default=16384)
     p.add_argument("--ce-hidden", type=int, default=4096)
     p.add_argument("--ce-vocab", type=int, default=151936)
+    p.add_argument("--generation", action="store_true", help="only the generation engine's tokens/s")
+    p.add_argument("--gen-model", default=None, help="default: a Qwen3-8B-shaped random-weight model")
+    p.add_argument("--gen-batches", default="64,128,256")
+    p.add_argument("--gen-prompt-tokens", type=int, default=256)
+    p.add_argument("--gen-new-tokens", type=int, default=256)
     a = p.parse_args()
     if a.ce_memory:
         return ce_memory_table(a, print)
+    if a.generation:
+        return generation_throughput(a, print)
     n_gpu = torch.cuda.device_count()
     if n_gpu == 0:
         raise SystemExit("benchmark.py needs a CUDA GPU")

@@ -35,6 +35,7 @@ def main(argv=None):
     p.add_argument("--single-turn", action="store_true", help="only the first turn of multi-turn prompts")
     p.add_argument("--device", default="cuda:0" if torch.cuda.is_available() else "cpu")
     p.add_argument("--max-new-tokens", type=int, default=256)
+    p.add_argument("--batch-size", type=int, default=64, help="prompts decoded together")
     p.add_argument("--chat-template-kwargs", default=None,
                    help="JSON; default: those recorded in the drafter's dflash_training.json")
     args = p.parse_args(argv)
@@ -44,7 +45,8 @@ def main(argv=None):
     if args.single_turn:
         prompts = [(c, t[:1]) for c, t in prompts]
     prompts = prompts[:args.num_prompts]
-    report = tp.evaluate_drafter_dir(args.target_model, args.drafter, prompts, args.device, args.max_new_tokens, kwargs)
+    report = tp.evaluate_drafter_dir(args.target_model, args.drafter, prompts, args.device, args.max_new_tokens, kwargs,
+                                     batch_size=args.batch_size)
     print(json.dumps({k: v for k, v in report.items() if k != "mismatches"}, indent=1))
     if not report["lossless"]:
         print(f"FAILED: {len(report['mismatches'])} speculative outputs differ from target greedy decoding: "

@@ -106,3 +106,21 @@ def real_tokenizer():
             loaded[name] = AutoTokenizer.from_pretrained(path)
         return loaded[name]
     return get
+
+
+def counter_target(vocab=128):
+    """A Llama whose greedy next token is always (last token + 1) mod vocab, whatever came
+    before: one-hot embeddings, attention and MLP outputs zeroed, an LM head that shifts by one.
+    Its continuations are known in advance, so drafters with known answers can be built."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+    cfg = LlamaConfig(vocab_size=vocab, hidden_size=vocab, intermediate_size=8, num_hidden_layers=4,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=vocab // 4, max_position_embeddings=4096,
+                      tie_word_embeddings=False, bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    model = LlamaForCausalLM(cfg).float().eval()
+    with torch.no_grad():
+        model.model.embed_tokens.weight.copy_(torch.eye(vocab))
+        for layer in model.model.layers:
+            layer.self_attn.o_proj.weight.zero_()
+            layer.mlp.down_proj.weight.zero_()
+        model.lm_head.weight.copy_(torch.roll(torch.eye(vocab), 1, 0))  # row x + 1 reads x
+    return model

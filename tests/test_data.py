@@ -3,7 +3,6 @@ server shows the model for it, then exactly what the model writes. The expected 
 renderings written out here by hand from each template's documented format, not from
 apply_chat_template."""
 import json
-import os
 
 import numpy as np
 import pytest

@@ -274,29 +274,35 @@ def test_rope_scaling_written_top_level(tmp_path):
 
 
 class OracleDrafter:
-    """Wraps a drafter's draft_logits so its first `right` slots are the target's true continuation."""
+    """Wraps a drafter's draft_logits so its first `right` slots are the target's true continuation
+    (one row)."""
 
     def __init__(self, drafter, truth, prompt_len, right):
         self.drafter, self.truth, self.prompt_len, self.right = drafter, truth, prompt_len, right
 
-    def __call__(self, ctx_kv, anchor_token, anchor_position):
-        logits = dm.DFlashDraftModel.draft_logits(self.drafter, ctx_kv, anchor_token, anchor_position)
+    def __call__(self, ctx_kv, anchor_token, anchor_position, attend=dm.full_attend):
+        logits = dm.DFlashDraftModel.draft_logits(self.drafter, ctx_kv, anchor_token, anchor_position, attend)
         for k in range(min(self.right, logits.shape[1])):
-            i = anchor_position + 1 + k - self.prompt_len
+            i = int(torch.as_tensor(anchor_position).reshape(-1)[0]) + 1 + k - self.prompt_len
             if 0 <= i < len(self.truth):
                 logits[0, k] = 0
                 logits[0, k, self.truth[i]] = 1
         return logits
 
 
+def hf_greedy(target, prompt, n, stop=None):
+    out = target.generate(prompt, max_new_tokens=n, do_sample=False, eos_token_id=stop, pad_token_id=0)
+    return out[0, prompt.shape[1]:].tolist()
+
+
 @pytest.mark.parametrize("right", [0, 2, 3, 100])
-def test_spec_generate_is_lossless(right):
+def test_speculative_decoding_is_lossless(right):
     target = tiny_target()
     drafter = make_drafter(target, block_size=4)
     prompt = torch.randint(0, 299, (1, 7), generator=torch.Generator().manual_seed(3))
-    truth = dm.greedy_generate(target, prompt, 30)
+    truth = hf_greedy(target, prompt, 30)
     drafter.draft_logits = OracleDrafter(drafter, truth, prompt.shape[1], right)
-    out, acc = drafter.spec_generate(target, prompt, 30)
+    (out, acc), = dm.speculative_generate(target, prompt.tolist(), 30, drafter=drafter, batch_size=1, graph=False)
     assert out == truth
     assert sum(acc) + 1 >= len(out)
     if right >= 3:  # every draft right: bs tokens per target forward
@@ -305,15 +311,47 @@ def test_spec_generate_is_lossless(right):
         assert set(acc[:-1]) == {3}
 
 
-def test_spec_generate_stops_at_stop_token():
+def test_speculative_decoding_stops_at_stop_token():
     target = tiny_target()
     drafter = make_drafter(target, block_size=4)
     prompt = torch.randint(0, 299, (1, 5), generator=torch.Generator().manual_seed(4))
-    truth = dm.greedy_generate(target, prompt, 20)
+    truth = hf_greedy(target, prompt, 20)
     stop = truth[6]
-    out, _ = drafter.spec_generate(target, prompt, 20, stop_token_ids=[stop])
-    assert out == dm.greedy_generate(target, prompt, 20, stop_token_ids=[stop])
+    (out, _), = dm.speculative_generate(target, prompt.tolist(), 20, [stop], drafter=drafter, batch_size=1, graph=False)
+    assert out == hf_greedy(target, prompt, 20, stop)
     assert out[-1] == stop and len(out) <= 7
+
+
+def test_batched_decoding_equals_transformers_generate_and_per_row_speculation():
+    """Rows of mixed lengths in one batch (left-padded, refilled batch by batch) decode exactly as
+    transformers' greedy generate decodes each alone; batched speculation with a drafter and with
+    prompt lookup gives the same outputs, and a row's accepted lengths do not depend on its batch."""
+    for arch in ("qwen3", "llama"):
+        target = tiny_target(arch=arch, dtype=torch.float32, init_std=0.15, vocab=128)
+        g = torch.Generator().manual_seed(0)
+        prompts = [torch.randint(3, 128, (n,), generator=g).tolist() for n in (5, 17, 9, 30, 2)]
+        greedy = dm.generate(target, prompts, 20, [1], batch_size=3, graph=False)
+        drafter = make_drafter(target, block_size=4)
+        batched = dm.speculative_generate(target, prompts, 20, [1], drafter=drafter, batch_size=3, graph=False)
+        lookup = dm.speculative_generate(target, prompts, 20, [1], block_size=4, batch_size=2, graph=False)
+        for p, (tokens, reason), (spec, gains), (look, _) in zip(prompts, greedy, batched, lookup):
+            assert tokens == hf_greedy(target, torch.tensor([p]), 20, 1) == spec == look
+            assert reason == ("stop" if tokens[-1] == 1 else "length")
+            (alone, alone_gains), = dm.speculative_generate(target, [p], 20, [1], drafter=drafter, batch_size=1,
+                                                            graph=False)
+            assert alone == spec and alone_gains == gains
+
+
+def test_sampling_is_seeded_and_respects_top_p():
+    target = tiny_target(dtype=torch.float32, init_std=0.15, vocab=128)
+    prompts = [[5, 6, 7], [9, 10]]
+    a = dm.generate(target, prompts, 12, (), temperature=1.0, top_p=0.9, seed=3, graph=False)
+    assert a == dm.generate(target, prompts, 12, (), temperature=1.0, top_p=0.9, seed=3, graph=False)
+    assert a != dm.generate(target, prompts, 12, (), temperature=1.0, top_p=0.9, seed=4, graph=False)
+    logits = torch.tensor([[0.0, 5.0, 4.9, -9.0]])
+    picks = {int(dm.pick_tokens(logits, 1.0, 0.5, torch.Generator().manual_seed(s))) for s in range(50)}
+    assert picks == {1}  # token 1 alone holds over half the mass
+    assert dm.pick_tokens(logits).tolist() == [1]
 
 
 def test_training_step_compiles_fullgraph_and_its_trace_does_not_grow_with_chunks():

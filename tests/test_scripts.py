@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import dflash_model as dm
-from conftest import tiny_target, tiny_tokenizer, write_jsonl
+from conftest import counter_target, tiny_target, tiny_tokenizer, write_jsonl
 import train_dflash_pipeline as tp
 from scripts import eval_acceptance as ev
 from scripts import regenerate_data as rg
@@ -27,45 +27,61 @@ def models(tmp_path_factory):
 PROMPTS = [("a", ["the cat sat"]), ("b", ["a dog ran", "then what"]), ("a", ["see the mat"])]
 
 
-def oracle(drafter, target, tok, correct):
-    """draft_logits that are right (the target's own greedy next tokens) or always wrong."""
-    def draft_logits(ctx_kv, anchor_token, anchor_position):
-        logits = dm.DFlashDraftModel.draft_logits(drafter, ctx_kv, anchor_token, anchor_position)
-        truth = oracle.truth
-        for k in range(logits.shape[1]):
-            i = int(anchor_position) + 1 + k - oracle.prompt_len
-            want = truth[i] if 0 <= i < len(truth) else 0
-            pick = want if correct else (want + 1) % logits.shape[-1]
-            logits[0, k] = 0
-            logits[0, k, pick] = 1
-        return logits
-    return draft_logits
+def counter_models(block_size=4):
+    """The counter target (next token = last + 1) and a drafter for it (random weights)."""
+    target = counter_target(128)
+    cfg = dm.make_drafter_config(target.config, mask_token_id=127, num_draft_layers=1, block_size=block_size,
+                                 target_layer_ids=[1])
+    torch.manual_seed(0)
+    return target, dm.DFlashDraftModel(cfg).attach_target(target).eval()
 
 
-def run_with_oracle(models, correct, monkeypatch):
-    target, tok, drafter = models
-    real_spec = dm.DFlashDraftModel.spec_generate
-
-    def spec(self, target_, ids, max_new, stop=()):
-        oracle.truth = dm.greedy_generate(target_, ids, max_new, stop)
-        oracle.prompt_len = ids.shape[1]
-        self.draft_logits = oracle(drafter, target, tok, correct)
-        try:
-            return real_spec(self, target_, ids, max_new, stop)
-        finally:
-            del self.draft_logits
-    monkeypatch.setattr(dm.DFlashDraftModel, "spec_generate", spec)
-    return tp.evaluate_models(target, tok, drafter, PROMPTS, "cpu", 21, log=lambda *a: None)
+def oracle_drafter(monkeypatch, right):
+    """draft_logits that know the counter target's continuation (anchor + 1 + k): right, or
+    always off by one."""
+    def draft_logits(self, ctx_kv, anchor_token, anchor_position, attend=dm.full_attend):
+        anchor = torch.as_tensor(anchor_token).reshape(-1, 1)
+        vocab = self.lm_head_weight.shape[0]
+        want = (anchor + 1 + torch.arange(self.block_size - 1) + (0 if right else 1)) % vocab
+        return torch.zeros(len(anchor), self.block_size - 1, vocab).scatter_(-1, want[..., None], 1.0)
+    monkeypatch.setattr(dm.DFlashDraftModel, "draft_logits", draft_logits)
 
 
-def test_acceptance_of_perfect_drafter(models, monkeypatch):
-    r = run_with_oracle(models, True, monkeypatch)
+def run_with_oracle(right, monkeypatch):
+    target, drafter = counter_models()
+    oracle_drafter(monkeypatch, right)
+    return tp.evaluate_models(target, tiny_tokenizer(), drafter, PROMPTS, "cpu", 21, log=lambda *a: None,
+                              batch_size=2, show_progress=False)
+
+
+def test_acceptance_of_perfect_drafter(monkeypatch):
+    r = run_with_oracle(True, monkeypatch)
     assert r["lossless"]
-    # every block accepts all bs-1 drafts + the bonus token, except where generation ends
+    # every block accepts all bs-1 drafts + the target's next token, except where generation ends
     hist = {int(k): v for k, v in r["histogram"].items()}
     assert max(hist) == 4 and hist[4] >= sum(hist.values()) - 4
     assert r["acceptance_length"] > 3.5
-    assert set(r["per_category"]) == {"a", "b"}
+    assert set(r["per_category"]) == {"a", "b"} and r["answers"] == 4
+
+
+def test_acceptance_of_drafter_that_is_never_right(monkeypatch):
+    r = run_with_oracle(False, monkeypatch)
+    assert r["lossless"]
+    assert r["histogram"] == {"1": r["histogram"]["1"]} and r["acceptance_length"] == 1.0
+    assert abs(r["tokens_per_target_forward"] - r["generated_tokens"] / (r["generated_tokens"] + 4)) < 0.2
+
+
+def test_prompt_lookup_on_a_continuation_that_repeats_the_prompt():
+    # Counter target over 16 tokens, prompt 0..9: it continues 10..15, then 0, 1, ... repeat what
+    # came before. Lookup finds nothing until the 0 (six steps of one token each), then proposes
+    # the 15 tokens that followed the earlier 0, all right: 16 a step until 32 tokens are out.
+    target = counter_target(16)
+    (out, gains), = dm.speculative_generate(target, [list(range(10))], 32, (), drafter=None, block_size=16,
+                                            graph=False)
+    assert out == [(10 + i) % 16 for i in range(32)]
+    assert gains == [1, 1, 1, 1, 1, 1, 16, 16]
+    assert dm.lookup_proposal([5, 1, 2, 3, 9, 1, 2, 3], 4) == [9, 1, 2, 3]  # most recent 3-gram match
+    assert dm.lookup_proposal([1, 2, 7, 8, 2], 3) == [7, 8, 2] and dm.lookup_proposal([1, 2, 3], 3) == []
 
 
 def test_teacher_forced_tau_matches_real_acceptance_per_block(models):
@@ -73,7 +89,7 @@ def test_teacher_forced_tau_matches_real_acceptance_per_block(models):
     anchor against the same text (train/serve agreement of the metric). The text is built so
     that the drafter's first slot is always right, so the values are not trivially 1."""
     target, tok, drafter = models
-    ids = tp.chat_ids(tok, [{"role": "user", "content": "the cat sat"}], "cpu")
+    ids = torch.tensor([tp.prompt_ids(tok, [{"role": "user", "content": "the cat sat"}])])
 
     def draft_at(prefix_tokens):
         prefix = torch.cat([ids[0], torch.tensor(prefix_tokens, dtype=torch.long)])[None]
@@ -99,23 +115,19 @@ def test_teacher_forced_tau_matches_real_acceptance_per_block(models):
     assert abs(total - expected) < 1e-6
 
 
-def test_acceptance_of_drafter_that_is_never_right(models, monkeypatch):
-    r = run_with_oracle(models, False, monkeypatch)
-    assert r["lossless"]
-    assert r["histogram"] == {"1": r["histogram"]["1"]} and r["acceptance_length"] == 1.0
-    assert abs(r["tokens_per_target_forward"] - r["generated_tokens"] / (r["generated_tokens"] + 4)) < 0.2
+def corrupt_speculation(monkeypatch):
+    """Speculative outputs whose first token is off by one (the evaluator must notice)."""
+    real = dm.speculative_generate
+    monkeypatch.setattr(dm, "speculative_generate",
+                        lambda *a, **k: [([o[0] + 1] + o[1:], g) for o, g in real(*a, **k)])
 
 
 def test_lossless_check_fires(models, monkeypatch):
     target, tok, drafter = models
-    real = dm.DFlashDraftModel.spec_generate
-
-    def corrupt(self, *a, **k):
-        out, acc = real(self, *a, **k)
-        return [out[0] + 1] + out[1:], acc
-    monkeypatch.setattr(dm.DFlashDraftModel, "spec_generate", corrupt)
-    r = tp.evaluate_models(target, tok, drafter, PROMPTS[:1], "cpu", 8, log=lambda *a: None)
+    corrupt_speculation(monkeypatch)
+    r = tp.evaluate_models(target, tok, drafter, PROMPTS[:1], "cpu", 8, log=lambda *a: None, show_progress=False)
     assert not r["lossless"] and r["mismatches"][0]["first_difference_at"] == 0
+    assert {m["method"] for m in r["mismatches"]} == {"drafter", "lookup"}
 
 
 def test_eval_cli_writes_report_and_fails_loudly(tmp_path, tiny_model_dir, monkeypatch):
@@ -123,16 +135,20 @@ def test_eval_cli_writes_report_and_fails_loudly(tmp_path, tiny_model_dir, monke
     target = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
     cfg = dm.make_drafter_config(target.config, mask_token_id=127, num_draft_layers=1, block_size=4)
     dm.DFlashDraftModel(cfg).save_pretrained(tmp_path / "drafter")
+    tok = tiny_tokenizer()
+    pretokenised = tp.prompt_ids(tok, [{"role": "user", "content": "a cat"}])
     prompts = write_jsonl(tmp_path / "p.jsonl", [{"prompt": "the cat", "category": "x"},
-                                                 {"turns": ["a dog", "and"], "category": "y"}])
+                                                 {"turns": ["a dog", "and"], "category": "y"},
+                                                 {"input_ids": pretokenised, "category": "z"}])
     rc = ev.main(["--target-model", tiny_model_dir, "--drafter", str(tmp_path / "drafter"), "--prompts", prompts,
                   "--device", "cpu", "--max-new-tokens", "10"])
     assert rc == 0
     report = json.loads((tmp_path / "drafter" / "eval_acceptance.json").read_text())
-    assert report["lossless"] and report["prompts"] == 2 and set(report["per_category"]) == {"x", "y"}
-    real = dm.DFlashDraftModel.spec_generate
-    monkeypatch.setattr(dm.DFlashDraftModel, "spec_generate",
-                        lambda self, *a, **k: (lambda o: ([o[0][0] + 1] + o[0][1:], o[1]))(real(self, *a, **k)))
+    assert report["lossless"] and report["prompts"] == 3 and report["answers"] == 4
+    assert set(report["per_category"]) == set(report["prompt_lookup_per_category"]) == {"x", "y", "z"}
+    assert report["prompt_lookup_acceptance_length"] >= 1.0 and report["acceptance_length"] >= 1.0
+    assert report["speedup_vs_greedy"] > 0 and report["prompt_lookup_speedup_vs_greedy"] > 0
+    corrupt_speculation(monkeypatch)
     assert ev.main(["--target-model", tiny_model_dir, "--drafter", str(tmp_path / "drafter"), "--prompts", prompts,
                     "--device", "cpu", "--max-new-tokens", "10"]) == 1
 
