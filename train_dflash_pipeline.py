@@ -2234,7 +2234,7 @@ DEMO_DEFAULTS = dict(max_length=256, token_budget=1024, num_anchors=16, num_draf
 # train with --compile, evaluate on the 80 MT-Bench questions (both turns) against prompt lookup.
 GPU_DEMO_DEFAULTS = dict(max_length=2048, token_budget=16384, num_anchors=512, num_draft_layers=5, lr=1e-3,
                          epochs=4, log_interval=50, save_interval=1000, output_dir="runs/demo-gpu", eval_prompts=80,
-                         eval_turns=2, eval_max_new_tokens=256, compile=True)
+                         eval_turns=2, eval_max_new_tokens=256, compile=True, regen_max_new_tokens=256)
 
 
 def typed_flags(parser, argv):
@@ -2383,7 +2383,65 @@ def train_on(args, cluster, target_devices, drafter_devices, tc):
     run.log(f"done: {final_step} steps; drafter saved to {final_dir}")
     if not run.interrupted and args.eval_prompts > 0:
         evaluate_final(args, run, tokenizer, final_dir)
+    write_plots(args.output_dir, run.log)
     return 0
+
+
+def write_plots(out_dir, log=print):
+    """PNG plots beside the log: training loss, tau_hat and per-slot accuracy over steps (with the
+    measured acceptance where --eval-interval logged it), and the acceptance histogram of the
+    final evaluation next to prompt lookup's. Needs matplotlib; without it, says so."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        log("plots: matplotlib is not installed; no plots written")
+        return []
+    with open(os.path.join(out_dir, "metrics.jsonl")) as f:
+        recs = [json.loads(line) for line in f if line.strip()]
+    train = [r for r in recs if "loss" in r]
+    evals = [r for r in recs if "eval_acceptance_length" in r]
+    written = []
+    if train:
+        fig, ax = plt.subplots(1, 3, figsize=(16, 4.5))
+        steps = [r["step"] for r in train]
+        ax[0].plot(steps, [r["loss"] for r in train])
+        ax[0].set(title="training loss", xlabel="step", yscale="log")
+        ax[1].plot(steps, [r["tau_hat"] for r in train], label="tau_hat (training)")
+        if evals:
+            ax[1].plot([r["step"] for r in evals], [r["eval_acceptance_length"] for r in evals], "o-",
+                       label="measured acceptance")
+        ax[1].set(title="acceptance length", xlabel="step")
+        ax[1].legend()
+        slots = np.asarray([r["acc_per_slot"] for r in train])
+        for k in range(0, slots.shape[1], max(1, slots.shape[1] // 5)):
+            ax[2].plot(steps, slots[:, k], label=f"slot {k + 1}")
+        ax[2].set(title="accuracy per block slot", xlabel="step", ylim=(0, 1))
+        ax[2].legend()
+        fig.tight_layout()
+        written.append(os.path.join(out_dir, "training.png"))
+        fig.savefig(written[-1], dpi=90)
+        plt.close(fig)
+    report_path = os.path.join(out_dir, "final", "eval_acceptance.json")
+    if os.path.exists(report_path):
+        with open(report_path) as f:
+            rep_ = json.load(f)
+        fig, ax = plt.subplots(figsize=(8, 4.5))
+        for key, name, shift in (("histogram", f"drafter (mean {rep_['acceptance_length']:.2f})", -0.2),
+                                 ("prompt_lookup_histogram",
+                                  f"prompt lookup (mean {rep_['prompt_lookup_acceptance_length']:.2f})", 0.2)):
+            h = {int(k): v for k, v in rep_[key].items()}
+            total = max(sum(h.values()), 1)
+            ax.bar([k + shift for k in h], [v / total for v in h.values()], width=0.4, label=name)
+        ax.set(title="tokens per verification step", xlabel="accepted length", ylabel="share of steps")
+        ax.legend()
+        fig.tight_layout()
+        written.append(os.path.join(out_dir, "acceptance.png"))
+        fig.savefig(written[-1], dpi=90)
+        plt.close(fig)
+    log(f"plots: {', '.join(written) or 'nothing to plot'}")
+    return written
 
 
 def evaluate_final(args, run, tokenizer, final_dir):
