@@ -734,11 +734,12 @@ class BatchDecoder:
         self.next_pos = torch.zeros(self.B, dtype=torch.long, device=self.device)
         self.c = 0
 
-    def _forward(self, ids, positions, slots, allowed):
+    def _forward(self, ids, positions, slots, allowed, last_only=False):
         self.cache.write_slots, self.cache.length = slots, self.c
         with capture_layer_outputs(self.model, self.layer_ids) as feats:
+            # last_only: logits of the last position only (a prefill's [rows, P, vocab] would not fit)
             logits = self.model(input_ids=ids, position_ids=positions, attention_mask=additive_mask(allowed, self.dtype),
-                                use_cache=True, **{self.kw: self.cache}).logits
+                                use_cache=True, logits_to_keep=1 if last_only else 0, **{self.kw: self.cache}).logits
         return logits, (torch.cat(feats, -1) if self.layer_ids else None)
 
     def prefill(self, prompts):
@@ -765,7 +766,7 @@ class BatchDecoder:
             rows = slice(r0, min(self.B, r0 + step))
             self.cache.rows = rows
             allowed = causal & F.pad(valid[rows], (0, self.S - P))[:, None, :]
-            lg, ft = self._forward(ids[rows], pos[rows], slots, allowed)
+            lg, ft = self._forward(ids[rows], pos[rows], slots, allowed, last_only=True)
             logits.append(lg[:, -1])
             feats.append(ft)
         self.cache.rows = slice(None)
@@ -833,10 +834,33 @@ def slots_for(prompt_len, new_slots, granule=256):
     return -(-prompt_len // granule) * granule + new_slots
 
 
-def length_batches(prompts, batch_size):
-    """Batches of prompt indices, by length: prompts of a batch pad to about the same length."""
+def length_batches(prompts, batch_size, slots_of, cache_bytes_per_slot, cache_budget):
+    """Batches of prompt indices, by length (prompts of a batch pad to about the same length), of
+    batch_size rows, fewer where the batch's KV cache (its slots_of(longest prompt) slots per row)
+    would pass cache_budget bytes. Returns [(indices, rows, slots)]."""
     order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
-    return [order[i:i + batch_size] for i in range(0, len(order), batch_size)]
+    out, i = [], 0
+    while i < len(order):
+        rows = batch_size
+        while True:
+            idx = order[i:i + rows]
+            slots = slots_of(len(prompts[idx[-1]]))
+            if rows == 1 or rows * slots * cache_bytes_per_slot <= cache_budget:
+                break
+            rows = max(1, rows // 2)
+        out.append((idx, rows, slots))
+        i += len(idx)
+    return out
+
+
+def cache_plan(model, cache_fraction=0.5):
+    """(bytes per cache slot of one row, bytes the caches may take): a fraction of the free GPU
+    memory, or unbounded on the CPU."""
+    n, kvh, hd = kv_layout(model.config)
+    p = next(model.parameters())
+    per_slot = 2 * n * kvh * hd * p.element_size()
+    budget = torch.cuda.mem_get_info(p.device)[0] * cache_fraction if p.device.type == "cuda" else float("inf")
+    return per_slot, budget
 
 
 def cut_at_stop(tokens, stop, max_new_tokens):
@@ -858,12 +882,12 @@ def generate(model, prompts, max_new_tokens, stop_token_ids=(), batch_size=64, t
     stop_t = torch.tensor(sorted(stop) or [-1], device=dev)
     gen = torch.Generator(device=dev).manual_seed(seed)
     results, decoder = [None] * len(prompts), None
-    for idx in length_batches(prompts, batch_size):
+    batches = length_batches(prompts, batch_size, lambda n: slots_for(n, max_new_tokens), *cache_plan(model))
+    for idx, batch_rows, slots in batches:
         rows = [prompts[i] for i in idx]
-        slots = slots_for(max(len(p) for p in rows), max_new_tokens)
-        if decoder is None or decoder.S != slots:
+        if decoder is None or (decoder.B, decoder.S) != (batch_rows, slots):
             decoder = None  # its cache goes before the next one is allocated
-            decoder = BatchDecoder(model, batch_size, slots, graph=graph)
+            decoder = BatchDecoder(model, batch_rows, slots, graph=graph)
         logits, _ = decoder.prefill(rows)
         out = torch.empty(decoder.B, max_new_tokens, dtype=torch.long, device=dev)
         done = torch.zeros(decoder.B, dtype=torch.bool, device=dev)
@@ -932,12 +956,12 @@ def speculative_generate(model, prompts, max_new_tokens, stop_token_ids=(), draf
     bs = drafter.block_size if drafter is not None else block_size
     dev = next(model.parameters()).device
     results, decoder = [None] * len(prompts), None
-    for idx in length_batches(prompts, batch_size):
+    batches = length_batches(prompts, batch_size, lambda n: slots_for(n, (max_new_tokens + 1) * bs), *cache_plan(model))
+    for idx, batch_rows, slots in batches:
         rows = [prompts[i] for i in idx]
-        slots = slots_for(max(len(p) for p in rows), (max_new_tokens + 1) * bs)
-        if decoder is None or decoder.S != slots:
+        if decoder is None or (decoder.B, decoder.S) != (batch_rows, slots):
             decoder = None
-            decoder = BatchDecoder(model, batch_size, slots, drafter.target_layer_ids if drafter else (), graph)
+            decoder = BatchDecoder(model, batch_rows, slots, drafter.target_layer_ids if drafter else (), graph)
         logits, feats = decoder.prefill(rows)
         ctx = None
         if drafter is not None:

@@ -50,7 +50,6 @@ def main(argv=None):
     g.add_argument("--retries", type=int, default=4)
     g.add_argument("--backoff", type=float, default=1.0, help="seconds before the first retry, doubling")
     args = p.parse_args(argv)
-    from tqdm import tqdm
     try:
         args.chat_template_kwargs = tp.parse_chat_template_kwargs(args.chat_template_kwargs)
     except tp.UsageError as e:
@@ -60,14 +59,8 @@ def main(argv=None):
     todo, skipped = tp.regeneration_prompts(args.input, tp.done_regeneration_ids(args.output))
     for line in skipped.summary()[1:]:
         print(f"input: {line.strip()}")
-    turns = sum(sum(m["role"] == "user" for m in c) for _, c in todo)
-    bar = tqdm(total=turns, unit="turn", desc="regenerating", disable=None, dynamic_ncols=True)
-    t0, generated = time.perf_counter(), [0]
-
-    def progress(rows, tokens):
-        generated[0] += tokens
-        bar.update(rows)
-        bar.set_postfix_str(f"{generated[0] / (time.perf_counter() - t0):,.0f} tok/s")
+    progress = tp.GenerationProgress(sum(sum(m["role"] == "user" for m in c) for _, c in todo), "regenerating")
+    t0 = time.perf_counter()
     if args.server:
         backend = tp.ServerBackend(args.server, args, progress)
     else:
@@ -76,7 +69,7 @@ def main(argv=None):
         backend = tp.EmbeddedBackend(args.target_model, devices, tp.load_tokenizer(args.target_model), args, progress)
     rejects = args.output + ".rejects.jsonl"
     summary = tp.regenerate_file(backend, todo, args.output, rejects, args.chunk_size)
-    bar.close()
+    progress.close()
     dt = time.perf_counter() - t0
     print(f"regenerated {summary['rows']} conversations ({summary['turns']} turns, {summary['tokens']:,} new tokens, "
           f"{summary['tokens'] / max(dt, 1e-9):,.0f} tokens/s) -> {args.output}; finish reasons {summary['finish']}; "

@@ -283,4 +283,11 @@ def test_batched_decoding_graphed_equals_eager_and_is_lossless():
     drafter = dm.DFlashDraftModel(cfg).to("cuda", torch.bfloat16).attach_target(target).eval()
     for d in (drafter, None):
         spec = dm.speculative_generate(target, prompts, 40, [1], drafter=d, block_size=8, batch_size=4, graph=True)
-        assert [s for s, _ in spec] == [t for t, _ in eager]
+        assert spec == dm.speculative_generate(target, prompts, 40, [1], drafter=d, block_size=8, batch_size=4,
+                                               graph=False)
+        # bf16: a block's verification rounds differently from one-token steps; outputs may part
+        # only where the target's two choices are within rounding of each other
+        for p, (s, _), (t, _) in zip(prompts, spec, eager):
+            if s != t:
+                first = next(n for n, (a, b) in enumerate(zip(s, t)) if a != b)
+                assert tp.near_tie(target, p, t, s, first)[0], (first, s, t)

