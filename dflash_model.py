@@ -841,7 +841,7 @@ def length_batches(prompts, batch_size, slots_of, cache_bytes_per_slot, cache_bu
     order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
     out, i = [], 0
     while i < len(order):
-        rows = batch_size
+        rows = min(batch_size, len(order))  # no rows beyond the prompts there are
         while True:
             idx = order[i:i + rows]
             slots = slots_of(len(prompts[idx[-1]]))

@@ -403,30 +403,36 @@ def row_documents(row, tokenizer, max_length, vocab_size, chat_template_kwargs, 
     return conversation_documents(tokenizer, row_to_messages(row), max_length, chat_template_kwargs, stats, where)
 
 
-def read_documents(path, tokenizer, max_length, vocab_size, chat_template_kwargs=None):
-    """Every document of one JSONL file, and its DocumentStats. Unusable rows are skipped and
-    counted by reason; so are turns that cannot be trained."""
-    docs, stats = [], DocumentStats()
+def jsonl_rows(path, stats, skip=frozenset()):
+    """(line number, 'file:line', parsed row) of every non-empty line of a JSONL file whose line
+    number is not in skip; rows counted in stats, lines that are not JSON counted as skipped."""
     with open(path, encoding="utf-8", errors="replace") as f:
         for lineno, line in enumerate(f, 1):
-            if not line.strip():
+            if not line.strip() or lineno in skip:
                 continue
             stats.counts["rows"] += 1
             where = f"{os.path.basename(path)}:{lineno}"
             try:
-                row_docs = row_documents(json.loads(line), tokenizer, max_length, vocab_size, chat_template_kwargs,
-                                         stats, where)
+                yield lineno, where, json.loads(line)
             except json.JSONDecodeError as e:
                 stats.note(stats.skipped_rows, f"bad JSON: {e.msg}", where)
-                continue
-            except BadRow as e:
-                stats.note(stats.skipped_rows, str(e), where)
-                continue
-            row_docs = [(t, m) for t, m in row_docs if sum(m) >= 2]  # an anchor needs two trained tokens
-            if not row_docs:
-                stats.note(stats.skipped_rows, "no trainable assistant tokens", where)
-                continue
-            docs += row_docs
+
+
+def read_documents(path, tokenizer, max_length, vocab_size, chat_template_kwargs=None):
+    """Every document of one JSONL file, and its DocumentStats. Unusable rows are skipped and
+    counted by reason; so are turns that cannot be trained."""
+    docs, stats = [], DocumentStats()
+    for _, where, row in jsonl_rows(path, stats):
+        try:
+            row_docs = row_documents(row, tokenizer, max_length, vocab_size, chat_template_kwargs, stats, where)
+        except BadRow as e:
+            stats.note(stats.skipped_rows, str(e), where)
+            continue
+        row_docs = [(t, m) for t, m in row_docs if sum(m) >= 2]  # an anchor needs two trained tokens
+        if not row_docs:
+            stats.note(stats.skipped_rows, "no trainable assistant tokens", where)
+            continue
+        docs += row_docs
     stats.counts["documents"] = len(docs)
     stats.counts["loss_tokens"] = int(sum(sum(m) for _, m in docs))
     return docs, stats
@@ -1602,26 +1608,17 @@ def regeneration_prompts(path, done_ids):
     """(rows to do [(id, messages without assistant turns)], DocumentStats of skips). Leading
     assistant turns are dropped (no request precedes them); rows without a user turn skipped."""
     todo, stats = [], DocumentStats()
-    with open(path, encoding="utf-8", errors="replace") as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip() or lineno in done_ids:
-                continue
-            stats.counts["rows"] += 1
-            where = f"{os.path.basename(path)}:{lineno}"
-            try:
-                row = json.loads(line)
-                messages = row_to_messages(row if isinstance(row, dict) else {}, require_assistant=False)
-            except json.JSONDecodeError as e:
-                stats.note(stats.skipped_rows, f"bad JSON: {e.msg}", where)
-                continue
-            except BadRow as e:
-                stats.note(stats.skipped_rows, str(e), where)
-                continue
-            asks = [m for m in messages if m["role"] != "assistant"]
-            if not any(m["role"] == "user" for m in asks):
-                stats.note(stats.skipped_rows, "no user turn", where)
-                continue
-            todo.append((lineno, asks))
+    for lineno, where, row in jsonl_rows(path, stats, done_ids):
+        try:
+            messages = row_to_messages(row if isinstance(row, dict) else {}, require_assistant=False)
+        except BadRow as e:
+            stats.note(stats.skipped_rows, str(e), where)
+            continue
+        asks = [m for m in messages if m["role"] != "assistant"]
+        if not any(m["role"] == "user" for m in asks):
+            stats.note(stats.skipped_rows, "no user turn", where)
+            continue
+        todo.append((lineno, asks))
     return todo, stats
 
 
