@@ -89,7 +89,10 @@ def build_parser():
     a("--eval-data", default=None, help="held-out prompts (JSONL) for the final acceptance-length measurement; "
       "the built-in demo uses MT-Bench")
     a("--eval-interval", type=int, default=0,
-      help="every N steps, measure the real acceptance length on the held-out prompts and log it next to tau_hat")
+      help="every N steps, measure the real acceptance length on the held-out prompts and log it next to tau_hat; "
+      "and the loss, accuracy and tau_hat of the validation documents (else those at the end only)")
+    a("--val-fraction", type=float, default=0.01, help="share of the documents held out for validation")
+    a("--val-rows", type=int, default=16, help="validation rows of --max-length evaluated each time")
     a("--eval-prompts", type=int, default=8, help="how many held-out prompts to evaluate at the end (0: none)")
     a("--eval-max-new-tokens", type=int, default=64)
     a("--eval-turns", type=int, default=1, help="turns of each multi-turn held-out prompt to evaluate")
@@ -455,6 +458,14 @@ class Corpus:
     def lengths(self):
         return np.diff(self.offsets)
 
+    def subset(self, docs):
+        """A Corpus of the given documents (indices), in that order."""
+        docs = np.asarray(docs, dtype=np.int64)
+        lengths = self.lengths[docs]
+        take = np.concatenate([np.arange(self.offsets[d], self.offsets[d + 1]) for d in docs]) if len(docs) \
+            else np.zeros(0, np.int64)
+        return Corpus(self.ids[take], self.mask[take], np.concatenate([[0], np.cumsum(lengths)]), self.stats)
+
     def fingerprint(self):
         """A hash of the tokens, masks and document boundaries: what a resumed run checks."""
         h = hashlib.sha256()
@@ -601,11 +612,35 @@ class BatchSequence:
             epoch, k = epoch + 1, 0
 
 
+def split_validation(corpus, fraction, seed):
+    """(training documents, validation documents): a fraction of the documents, drawn by seed,
+    held out and never trained on; none where that would leave either side empty."""
+    n = len(corpus)
+    k = int(n * fraction)
+    if k < 1 or k >= n:
+        return np.arange(n), np.zeros(0, np.int64)
+    held = np.sort(np.random.default_rng([seed, 99]).choice(n, k, replace=False))
+    return np.setdiff1d(np.arange(n), held), held
+
+
+def validation_rows(corpus, max_length, seed, max_rows):
+    """Up to max_rows one-row batches [1, max_length] of the validation documents, packed."""
+    rows = pack_epoch(corpus.lengths, max_length, seed, 0)[:max_rows]
+    return [make_batch(corpus, [r], max_length) for r in rows]
+
+
 def prepare_data(args, tokenizer, vocab_size, log):
-    """The data stage end to end: tokenised corpus (cached) and its fixed-shape batch sequence."""
+    """The data stage end to end: tokenised corpus (cached), the fixed-shape batch sequence of its
+    training documents, and rows of its held-out validation documents (--val-fraction)."""
     corpus = load_corpus(resolve_data_paths(args.data), tokenizer, args.max_length, vocab_size, args.cache_dir,
                          args.chat_template_kwargs, log)
-    return corpus, BatchSequence(corpus, args.token_budget // args.max_length, args.max_length, args.seed)
+    train_docs, val_docs = split_validation(corpus, args.val_fraction, args.seed)
+    training = corpus.subset(train_docs) if len(val_docs) else corpus
+    validation = validation_rows(corpus.subset(val_docs), args.max_length, args.seed, args.val_rows) \
+        if len(val_docs) else []
+    if validation:
+        log(f"data: {len(val_docs)} documents held out for validation ({len(validation)} rows), never trained on")
+    return corpus, BatchSequence(training, args.token_budget // args.max_length, args.max_length, args.seed), validation
 
 # -----------------------------------------------------------------------------
 # Target stage: frozen replicas, only as deep as the deepest captured layer, no LM head
@@ -1380,6 +1415,7 @@ class Run:
         self.last_log = (time.perf_counter(), plan.start_step)
         self.target_clock, self.target_batches_fed, self.target_logged = StageClock(), 0, (0.0, 0)
         self.eval_prompts, self.tokenizer, self.eval_target = [], None, None  # for --eval-interval
+        self.validation = []  # held-out rows, with their target features (set by run_pipeline)
 
     def lr_for_step(self, step):
         return scheduled_lr(self.plan.cursor_after(step), self.plan.schedule, self.args.lr)
@@ -1407,6 +1443,7 @@ class Run:
         # first evaluates and saves.
         due_log = step % a.log_interval == 0 or last or eval_step
         due_eval = eval_step and bool(self.eval_prompts) and main
+        due_val = (eval_step or last) and bool(self.validation) and main
         due_save = (step % a.save_interval == 0 or last) and main
         if not (due_log or due_save):
             return
@@ -1421,6 +1458,8 @@ class Run:
         self.check_finite(step)
         if due_log:
             rec = self.write_metrics(step)
+        if due_val:
+            self.validate(step, rec["tau_hat"])
         if due_eval:
             self.evaluate_now(step, rec["tau_hat"])
         if due_save:
@@ -1480,6 +1519,24 @@ class Run:
                  f"acc {m['acc_mean']:.3f} tau {m['tau_hat']:.2f} | lr {rec['lr']:.2e} gnorm {rec['grad_norm']:.3f}"
                  + (f" | peak GB {rec['peak_mem_gb']}" if rec["peak_mem_gb"] else ""))
         return rec
+
+    @torch.no_grad()
+    def validate(self, step, tau_hat):
+        """Loss, accuracy per slot and tau_hat of the held-out rows (the same anchors every time),
+        beside the training figures: a gap that grows is memorisation."""
+        w = self.workers[0]
+        stats = None
+        for k, row in enumerate(self.validation):
+            inputs = [row[key].to(w.device) for key in BATCH_KEYS]
+            noise = torch.rand(row["input_ids"].shape, generator=torch.Generator().manual_seed(k)).to(w.device)
+            _, st = w.compute_loss(*inputs, noise)
+            stats = st.float().cpu() if stats is None else stats + st.float().cpu()
+        m = dm.stats_to_metrics(stats, len(self.validation))
+        self.log(f"val step {step}: loss {m['loss']:.4f} acc {m['acc_mean']:.3f} tau_hat {m['tau_hat']:.3f} on "
+                 f"{len(self.validation)} held-out rows (training tau_hat {tau_hat:.3f})")
+        self.metrics_file.write(json.dumps({"step": step, "val_loss": m["loss"], "val_acc": m["acc_mean"],
+                                            "val_acc_per_slot": m["acc"], "val_tau_hat": m["tau_hat"]}) + "\n")
+        self.metrics_file.flush()
 
     def full_target(self):
         """The whole target for evaluations, loaded once, on the device with the most free memory
@@ -2143,6 +2200,9 @@ def run_pipeline(run, replicas, drafters, drafter_devices, optimizer_state=None,
             w.load_optimizer_state(optimizer_state)
     run.features_dim = len(args.layer_ids) * drafters[0].config.hidden_size
     warm_up_target(replicas, args, run.log)
+    with torch.no_grad():  # the held-out rows' features, once (eager: a captured forward has the batch's shape)
+        run.validation = [dict(row, features=replicas[0].forward(
+            **{k: row[k].to(replicas[0].device) for k in TARGET_INPUTS}).cpu()) for row in run.validation]
 
     # SIGINT/SIGTERM stop feeding at a step boundary; the end of the run saves.
     def on_signal(signum, frame):
@@ -2356,7 +2416,7 @@ def train_on(args, cluster, target_devices, drafter_devices, tc):
         args.data = [regenerated_builtin_data(args, log)]
         args.eval_data = args.eval_data or mtbench_file()
     tokenizer = load_tokenizer(args.target_model)
-    corpus, batches = prepare_data(args, tokenizer, tc.vocab_size, log)
+    corpus, batches, validation = prepare_data(args, tokenizer, tc.vocab_size, log)
     args.mask_token_id = choose_mask_token_id(tokenizer, tc.vocab_size, corpus, args.mask_token_id,
                                               args.target_model, args.chat_template_kwargs)
     W = len(drafter_devices) * cluster.world_size
@@ -2390,6 +2450,7 @@ def train_on(args, cluster, target_devices, drafter_devices, tc):
         d.load_state_dict(weights)
 
     run = Run(args, plan, batches, target_devices + drafter_devices, log_file, cluster)
+    run.validation = validation if cluster.is_main else []
     if args.eval_interval and cluster.is_main:
         run.tokenizer, run.eval_prompts = tokenizer, heldout_prompts(args, tokenizer, args.eval_prompts)
         if not run.eval_prompts:
@@ -2445,6 +2506,11 @@ def write_plots(out_dir, log=print):
         ax[0].plot(steps, [r["loss"] for r in train])
         ax[0].set(title="training loss", xlabel="step", yscale="log")
         ax[1].plot(steps, [r["tau_hat"] for r in train], label="tau_hat (training)")
+        vals = [r for r in recs if "val_tau_hat" in r]
+        if vals:
+            ax[0].plot([r["step"] for r in vals], [r["val_loss"] for r in vals], "o-", label="validation")
+            ax[0].legend()
+            ax[1].plot([r["step"] for r in vals], [r["val_tau_hat"] for r in vals], "o-", label="tau_hat (validation)")
         if evals:
             ax[1].plot([r["step"] for r in evals], [r["eval_acceptance_length"] for r in evals], "o-",
                        label="measured acceptance")

@@ -94,7 +94,7 @@ def main(argv=None):
 
     def data():
         s["tokenizer"] = tp.load_tokenizer(args.target_model)
-        s["corpus"], s["batches"] = tp.prepare_data(args, s["tokenizer"], s["tc"].vocab_size, lambda m: None)
+        s["corpus"], s["batches"], _ = tp.prepare_data(args, s["tokenizer"], s["tc"].vocab_size, lambda m: None)
         args.mask_token_id = tp.choose_mask_token_id(s["tokenizer"], s["tc"].vocab_size, s["corpus"],
                                                      args.mask_token_id, args.target_model, args.chat_template_kwargs)
         return f"{s['corpus'].stats.summary()[0]}; packing {s['batches'].packing_efficiency:.1%}"

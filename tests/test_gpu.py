@@ -224,11 +224,15 @@ def test_pipeline_compiled_end_to_end(tmp_path, tiny_model_dir, layout):
         pytest.skip("needs 2 GPUs")
     data = write_jsonl(tmp_path / "d.jsonl", chat_rows(80))
     rc = tp.main(pipeline_args(tmp_path / "o", tiny_model_dir, data, "--token-budget", "512", "--max-steps", "20",
-                               "--log-interval", "5", "--target-gpus", t, "--drafter-gpus", d, "--compile"))
+                               "--log-interval", "5", "--target-gpus", t, "--drafter-gpus", d, "--compile",
+                               "--eval-interval", "10", "--val-fraction", "0.2", "--val-rows", "2"))
     assert rc == 0
     with open(tmp_path / "o" / "metrics.jsonl") as f:
         m = [json.loads(l) for l in f]
-    assert m[-1]["loss"] < m[0]["loss"]
+    train, val = [x for x in m if "loss" in x], [x for x in m if "val_loss" in x]
+    assert train[-1]["loss"] < train[0]["loss"]
+    # the held-out rows scored eagerly beside the captured step, which goes on unharmed
+    assert [x["step"] for x in val] == [10, 20] and val[1]["val_loss"] < val[0]["val_loss"]
     assert os.path.exists(tmp_path / "o" / "final" / "model.safetensors")
 
 

@@ -246,6 +246,8 @@ def test_save_load_round_trip(tmp_path):
     assert cfg["architectures"] == ["DFlashDraftModel"]
     assert cfg["num_hidden_layers"] == 2 and cfg["layer_types"] == ["full_attention"] * 2
     assert cfg["dflash_config"] == {"mask_token_id": 299, "target_layer_ids": drafter.target_layer_ids}
+    # vLLM builds before its layer-offset fix read only this field, as hidden_states indices
+    assert cfg["eagle_aux_hidden_state_layer_ids"] == [i + 1 for i in drafter.target_layer_ids]
     assert cfg["rope_theta"] == dm.rope_fields(target.config)[0]
     assert sorted(os.listdir(tmp_path)) == ["config.json", "model.safetensors"]
     with safe_open(tmp_path / "model.safetensors", "pt") as f:

@@ -433,3 +433,28 @@ def test_typed_flags_win_over_the_demo_values():
     args = tp.apply_demo_defaults(parser, parser.parse_args(argv), argv)
     assert args.num_draft_layers == 5 and args.lr == 6e-4
     assert args.max_length == tp.DEMO_DEFAULTS["max_length"]  # not typed: the demo's
+
+
+def test_validation_documents_are_held_out_and_scored_beside_training(tmp_path, tiny_model_dir):
+    data = write_jsonl(tmp_path / "d.jsonl", chat_rows(60))
+    r = run_cli(tmp_path, tiny_model_dir, data, "--target-gpus", "cpu", "--drafter-gpus", "cpu", "--max-steps", "6",
+                "--log-interval", "3", "--eval-interval", "3", "--val-fraction", "0.2", "--val-rows", "4")
+    assert r.returncode == 0, r.stderr
+    vals = [x for x in metrics(tmp_path) if "val_tau_hat" in x]
+    assert [x["step"] for x in vals] == [3, 6]
+    assert all(x["val_loss"] == x["val_loss"] and x["val_tau_hat"] >= 1.0 and len(x["val_acc_per_slot"]) == 3
+               for x in vals)
+    assert vals[1]["val_loss"] < vals[0]["val_loss"]  # the same rows and anchors each time: comparable
+    assert "held out for validation (4 rows), never trained on" in r.stdout and "val step 6: loss" in r.stdout
+    assert os.path.getsize(tmp_path / "out" / "training.png") > 10_000
+
+
+def test_split_validation_is_disjoint_deterministic_and_sized():
+    import numpy as np
+    corpus = tp.Corpus(np.arange(30, dtype=np.int32), np.ones(30, np.uint8), np.arange(0, 31, 3), None)
+    train, held = tp.split_validation(corpus, 0.2, seed=1)
+    assert len(held) == 2 and len(train) == 8 and not set(train) & set(held)
+    assert [a.tolist() for a in tp.split_validation(corpus, 0.2, seed=1)] == [train.tolist(), held.tolist()]
+    sub = corpus.subset(held)
+    assert [sub.doc(i)[0].tolist() for i in range(len(sub))] == [corpus.doc(d)[0].tolist() for d in held]
+    assert len(tp.split_validation(corpus, 0.01, seed=1)[1]) == 0  # too few documents to hold any out
