@@ -726,12 +726,14 @@ class BatchDecoder:
         self.use_graph = graph and p.device.type == "cuda"
         self.prefill_elements = prefill_elements  # rows x prompt x slots per prefill chunk (mask memory)
         self.graphs = {}
-        self.kept = torch.zeros(batch, slots, dtype=torch.bool, device=p.device)
+        # Per-row state, updated in place: a captured step reads these buffers where they are.
+        self.kept = torch.zeros(batch, slots, dtype=torch.bool, device=p.device)  # slots the row keeps
+        self.next_pos = torch.zeros(batch, dtype=torch.long, device=p.device)     # the row's next position
         self.reset()
 
     def reset(self):
         self.kept.zero_()
-        self.next_pos = torch.zeros(self.B, dtype=torch.long, device=self.device)
+        self.next_pos.zero_()
         self.c = 0
 
     def _forward(self, ids, positions, slots, allowed, last_only=False):
@@ -771,7 +773,7 @@ class BatchDecoder:
             feats.append(ft)
         self.cache.rows = slice(None)
         self.kept[:, :P] = valid
-        self.next_pos = valid.sum(1)
+        self.next_pos.copy_(valid.sum(1))
         self.c = P
         return torch.cat(logits), (torch.cat(feats) if self.layer_ids else None)
 
@@ -794,7 +796,7 @@ class BatchDecoder:
         if not self.use_graph:
             return self._step_eager(ids, slots)
         if q not in self.graphs:
-            static = {"ids": ids.clone(), "slots": slots.clone(), "next_pos": self.next_pos}
+            static = {"ids": ids.clone(), "slots": slots.clone()}
             self._step_eager(static["ids"], static["slots"])  # warm-up: writes slots that the step rewrites
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, capture_error_mode="thread_local"):  # other threads may run CUDA work
@@ -803,9 +805,6 @@ class BatchDecoder:
         graph, static = self.graphs[q]
         static["ids"].copy_(ids)
         static["slots"].copy_(slots)
-        static["next_pos"].copy_(self.next_pos)  # the captured step read this buffer
-        self.next_pos = static["next_pos"]
-        self.cache.length = self.c
         graph.replay()
         return static["out"]
 
@@ -813,7 +812,7 @@ class BatchDecoder:
         """Each row keeps the first keep[r] (a [B] tensor) of the q positions the last step appended."""
         q = self.last_q
         self.kept[:, self.c:self.c + q] = torch.arange(q, device=self.device)[None] < keep[:, None]
-        self.next_pos = self.next_pos + keep
+        self.next_pos += keep
         self.c += q
 
 
@@ -863,6 +862,18 @@ def cache_plan(model, cache_fraction=0.5):
     return per_slot, budget
 
 
+def decoder_batches(model, prompts, batch_size, new_slots, layer_ids=(), graph=True):
+    """(prompt indices, BatchDecoder) per batch of length_batches(); a decoder is reused while
+    its shape fits, and let go before the next shape's cache is allocated."""
+    decoder = None
+    for idx, rows, slots in length_batches(prompts, batch_size, lambda n: slots_for(n, new_slots),
+                                           *cache_plan(model)):
+        if decoder is None or (decoder.B, decoder.S) != (rows, slots):
+            decoder = None
+            decoder = BatchDecoder(model, rows, slots, layer_ids, graph)
+        yield idx, decoder
+
+
 def cut_at_stop(tokens, stop, max_new_tokens):
     """(tokens through the first stop id, 'stop' | 'length')."""
     for i, t in enumerate(tokens[:max_new_tokens]):
@@ -881,13 +892,9 @@ def generate(model, prompts, max_new_tokens, stop_token_ids=(), batch_size=64, t
     dev = next(model.parameters()).device
     stop_t = torch.tensor(sorted(stop) or [-1], device=dev)
     gen = torch.Generator(device=dev).manual_seed(seed)
-    results, decoder = [None] * len(prompts), None
-    batches = length_batches(prompts, batch_size, lambda n: slots_for(n, max_new_tokens), *cache_plan(model))
-    for idx, batch_rows, slots in batches:
+    results = [None] * len(prompts)
+    for idx, decoder in decoder_batches(model, prompts, batch_size, max_new_tokens, graph=graph):
         rows = [prompts[i] for i in idx]
-        if decoder is None or (decoder.B, decoder.S) != (batch_rows, slots):
-            decoder = None  # its cache goes before the next one is allocated
-            decoder = BatchDecoder(model, batch_rows, slots, graph=graph)
         logits, _ = decoder.prefill(rows)
         out = torch.empty(decoder.B, max_new_tokens, dtype=torch.long, device=dev)
         done = torch.zeros(decoder.B, dtype=torch.bool, device=dev)
@@ -955,13 +962,10 @@ def speculative_generate(model, prompts, max_new_tokens, stop_token_ids=(), draf
     stop = set(int(t) for t in stop_token_ids)
     bs = drafter.block_size if drafter is not None else block_size
     dev = next(model.parameters()).device
-    results, decoder = [None] * len(prompts), None
-    batches = length_batches(prompts, batch_size, lambda n: slots_for(n, (max_new_tokens + 1) * bs), *cache_plan(model))
-    for idx, batch_rows, slots in batches:
+    results = [None] * len(prompts)
+    layer_ids = drafter.target_layer_ids if drafter is not None else ()
+    for idx, decoder in decoder_batches(model, prompts, batch_size, (max_new_tokens + 1) * bs, layer_ids, graph):
         rows = [prompts[i] for i in idx]
-        if decoder is None or (decoder.B, decoder.S) != (batch_rows, slots):
-            decoder = None
-            decoder = BatchDecoder(model, batch_rows, slots, drafter.target_layer_ids if drafter else (), graph)
         logits, feats = decoder.prefill(rows)
         ctx = None
         if drafter is not None:
@@ -970,10 +974,9 @@ def speculative_generate(model, prompts, max_new_tokens, stop_token_ids=(), draf
             pos = (torch.arange(P, device=dev)[None] - (P - decoder.next_pos[:, None])).clamp(min=0)
             ctx.write(drafter, feats, pos, 0)
         anchor = logits.argmax(-1)
-        seqs = [list(p) + [int(a)] for p, a in zip(rows, anchor.tolist())]
-        outs = [[int(a)] for a in anchor.tolist()]
+        outs = [[int(a)] for a in anchor.tolist()[:len(rows)]]
         gained = [[] for _ in rows]
-        active = [int(a) not in stop and max_new_tokens > 1 for a in anchor.tolist()[:len(rows)]]
+        active = [o[0] not in stop and max_new_tokens > 1 for o in outs]
         while any(active):
             if drafter is not None:  # each block sees its row's verified slots, and itself
                 sees = torch.cat([decoder.kept, torch.ones(decoder.B, bs, dtype=torch.bool, device=dev)], 1)
@@ -981,7 +984,7 @@ def speculative_generate(model, prompts, max_new_tokens, stop_token_ids=(), draf
                 draft = draft.argmax(-1)
                 proposed = torch.full((decoder.B,), bs - 1, device=dev)
             else:
-                props = [lookup_proposal(q, bs - 1, max_ngram) if a else [] for q, a in zip(seqs, active)]
+                props = [lookup_proposal(p + o, bs - 1, max_ngram) if a else [] for p, o, a in zip(rows, outs, active)]
                 props += [[]] * (decoder.B - len(props))
                 draft = torch.tensor([p + [0] * (bs - 1 - len(p)) for p in props], device=dev)
                 proposed = torch.tensor([len(p) for p in props], device=dev)
@@ -1001,11 +1004,10 @@ def speculative_generate(model, prompts, max_new_tokens, stop_token_ids=(), draf
                 gained[r].append(len(new))
                 for t in new:
                     outs[r].append(t)
-                    seqs[r].append(t)
                     if t in stop or len(outs[r]) >= max_new_tokens:
                         active[r] = False
                         break
-        for i, r in zip(idx, range(len(rows))):
+        for r, i in enumerate(idx):
             results[i] = (cut_at_stop(outs[r], stop, max_new_tokens)[0], gained[r])
         if progress is not None:
             progress(len(rows), sum(len(results[i][0]) for i in idx))
