@@ -255,7 +255,7 @@ class DocumentStats:
     def note(self, table, reason, where, n=1):
         table[reason] = table.get(reason, 0) + n
         ex = self.examples.setdefault(reason, [])
-        if len(ex) < 3:
+        if len(ex) < 3 and where not in ex:
             ex.append(where)
 
     def add(self, other):
@@ -1759,11 +1759,13 @@ class ServerBackend:
             body["chat_template_kwargs"] = a.chat_template_kwargs
         error = None
         for attempt in range(a.retries + 1):
+            if attempt:
+                time.sleep(min(a.backoff * 2 ** (attempt - 1), 30))
             try:
                 r = self.client.post(self.url, json=body)
                 if r.status_code == 200:
-                    choice = r.json()["choices"][0]
-                    n = (r.json().get("usage") or {}).get("completion_tokens", 0)
+                    answer = r.json()
+                    choice, n = answer["choices"][0], (answer.get("usage") or {}).get("completion_tokens", 0)
                     if self.progress is not None:
                         self.progress(1, n)
                     return choice["message"]["content"], choice.get("finish_reason", "stop"), n
@@ -1772,7 +1774,6 @@ class ServerBackend:
                     break  # a request the server refuses will be refused again
             except Exception as e:  # timeouts, refused connections, malformed answers
                 error = f"{type(e).__name__}: {e}"
-            time.sleep(min(a.backoff * 2 ** attempt, 30))
         return None, error, 0
 
     def __call__(self, conversations):
@@ -1798,11 +1799,19 @@ def done_regeneration_ids(path):
     return done
 
 
-def regenerate_file(backend, todo, output, rejects, chunk_size, log=print):
-    """Regenerate the rows of `todo` chunk by chunk, appending each finished chunk to `output`
-    (so a kill loses at most the chunk in flight). Rows whose generation failed go to `rejects`
-    with the reason. Returns the summary dict."""
-    summary = {"rows": 0, "turns": 0, "tokens": 0, "finish": Counter(), "rejected": 0}
+def regenerate(input_path, output, make_backend, chunk_size, log=print, desc="regenerating"):
+    """Regenerate every row of input_path not yet in output, chunk by chunk, appending each
+    finished chunk to output (so a kill loses at most the chunk in flight; a rerun resumes).
+    make_backend(progress) gives the backend. Rows whose generation failed go to
+    <output>.rejects.jsonl with the reason. Returns the summary dict (with a one-line `text`)."""
+    todo, skipped = regeneration_prompts(input_path, done_regeneration_ids(output))
+    for line in skipped.summary()[1:]:
+        log(f"input: {line.strip()}")
+    progress = GenerationProgress(sum(sum(m["role"] == "user" for m in c) for _, c in todo), desc, log)
+    t0 = time.perf_counter()
+    backend = make_backend(progress)
+    rejects = output + ".rejects.jsonl"
+    summary = {"rows": 0, "turns": 0, "tokens": 0, "finish": Counter(), "rejected": 0, "rejects": rejects}
     with open(output, "a") as out, open(rejects, "a") as bad:
         for start in range(0, len(todo), chunk_size):
             chunk = todo[start:start + chunk_size]
@@ -1819,7 +1828,15 @@ def regenerate_file(backend, todo, output, rejects, chunk_size, log=print):
             summary["turns"] += len(reasons)
             summary["tokens"] += tokens
             summary["finish"].update(reasons)
+    progress.close()
+    if not summary["rejected"]:
+        os.remove(rejects)
+    dt = time.perf_counter() - t0
     summary["finish"] = dict(summary["finish"])
+    summary["text"] = (f"regenerated {summary['rows']} conversations ({summary['turns']} turns, {summary['tokens']:,} "
+                       f"new tokens, {summary['tokens'] / max(dt, 1e-9):,.0f} tokens/s, {dt:.0f}s) -> {output}; "
+                       f"finish reasons {summary['finish']}; skipped {sum(skipped.skipped_rows.values())} input rows "
+                       f"{skipped.skipped_rows or ''}")
     return summary
 
 
@@ -2159,20 +2176,14 @@ def regenerated_builtin_data(args, log):
     done = out + ".done"
     if os.path.exists(done):
         return out
-    todo, skipped = regeneration_prompts(builtin_data_file(None), done_regeneration_ids(out))
-    log(f"demo: regenerating {len(todo)} conversations with the target (once; cached at {out})")
-    progress = GenerationProgress(sum(sum(m["role"] == "user" for m in c) for _, c in todo), "demo: regenerating", log)
+    log(f"demo: regenerating the built-in conversations with the target (once; cached at {out})")
     regen_args = argparse.Namespace(chat_template_kwargs=args.chat_template_kwargs, max_new_tokens=args.regen_max_new_tokens,
                                     batch_size=256, temperature=0.0, top_p=1.0, seed=args.seed)
-    t0 = time.perf_counter()
-    backend = EmbeddedBackend(args.target_model, [torch.device("cuda", 0)], load_tokenizer(args.target_model),
-                              regen_args, progress)
-    summary = regenerate_file(backend, todo, out, out + ".rejects.jsonl", chunk_size=2048)
-    progress.close()
-    log(f"demo: regenerated {summary['rows']} conversations, {summary['turns']} turns, {summary['tokens']:,} tokens "
-        f"in {time.perf_counter() - t0:.0f}s; finish reasons {summary['finish']}")
-    del backend
-    torch.cuda.empty_cache()
+    tokenizer = load_tokenizer(args.target_model)
+    summary = regenerate(builtin_data_file(None), out, lambda progress: EmbeddedBackend(
+        args.target_model, [torch.device("cuda", 0)], tokenizer, regen_args, progress), 2048, log, "demo: regenerating")
+    log(f"demo: {summary['text']}")
+    torch.cuda.empty_cache()  # the regenerating replica is gone: its cached blocks go too
     open(done, "w").close()
     return out
 

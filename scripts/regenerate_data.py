@@ -20,7 +20,6 @@ most the chunk in flight. Rows that fail (server errors after the retries) go to
 import argparse
 import os
 import sys
-import time
 
 import torch
 
@@ -56,32 +55,20 @@ def main(argv=None):
         print(f"error: {e}", file=sys.stderr)
         return 2
     args.server_model = args.server_model or args.target_model
-    todo, skipped = tp.regeneration_prompts(args.input, tp.done_regeneration_ids(args.output))
-    for line in skipped.summary()[1:]:
-        print(f"input: {line.strip()}")
-    progress = tp.GenerationProgress(sum(sum(m["role"] == "user" for m in c) for _, c in todo), "regenerating")
-    t0 = time.perf_counter()
     if args.server:
-        backend = tp.ServerBackend(args.server, args, progress)
+        make_backend = lambda progress: tp.ServerBackend(args.server, args, progress)  # noqa: E731
     else:
         devices = tp.parse_devices(args.gpus) if args.gpus else (
             [torch.device("cuda", i) for i in range(torch.cuda.device_count())] or [torch.device("cpu")])
-        backend = tp.EmbeddedBackend(args.target_model, devices, tp.load_tokenizer(args.target_model), args, progress)
-    rejects = args.output + ".rejects.jsonl"
-    summary = tp.regenerate_file(backend, todo, args.output, rejects, args.chunk_size)
-    progress.close()
-    dt = time.perf_counter() - t0
-    print(f"regenerated {summary['rows']} conversations ({summary['turns']} turns, {summary['tokens']:,} new tokens, "
-          f"{summary['tokens'] / max(dt, 1e-9):,.0f} tokens/s) -> {args.output}; finish reasons {summary['finish']}; "
-          f"skipped {sum(skipped.skipped_rows.values())} input rows {skipped.skipped_rows or ''}")
+        tokenizer = tp.load_tokenizer(args.target_model)
+        make_backend = lambda progress: tp.EmbeddedBackend(args.target_model, devices, tokenizer, args, progress)  # noqa: E731
+    summary = tp.regenerate(args.input, args.output, make_backend, args.chunk_size)
+    print(summary["text"])
     if summary["rejected"]:
-        print(f"error: {summary['rejected']} conversations failed after {args.retries} retries; see {rejects}",
+        print(f"error: {summary['rejected']} conversations failed after {args.retries} retries; see {summary['rejects']}",
               file=sys.stderr)
         return 1
-    if os.path.exists(rejects) and not os.path.getsize(rejects):
-        os.remove(rejects)
     return 0
-
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -61,7 +61,8 @@ def main(argv=None):
     import httpx
     record = tp.read_training_record(args.drafter)
     kwargs = record.get("chat_template_kwargs", {})
-    block = json.load(open(os.path.join(args.drafter, "config.json")))["block_size"]
+    with open(os.path.join(args.drafter, "config.json")) as f:
+        block = json.load(f)["block_size"]
     prompts = [(c, t[:1]) for c, t in tp.read_prompts(args.prompts or tp.mtbench_file())][:args.num_prompts]
     target_path = tp.resolve_model_path(args.target_model)
     port = free_port()
@@ -109,10 +110,10 @@ def main(argv=None):
                 continue
     accepted, drafts = after[0] - before[0], after[1] - before[1]
     engine = 1 + accepted / drafts if drafts else float("nan")
+    target = tp.load_full_target(args.target_model, args.device)  # one load, for our evaluator and the greedy outputs
     report = tp.evaluate_drafter_dir(args.target_model, args.drafter, prompts, args.device, args.max_new_tokens,
-                                     kwargs, log=lambda m: None)
+                                     kwargs, log=lambda m: None, target=target)
     tokenizer = tp.load_tokenizer(args.target_model)
-    target = tp.load_full_target(args.target_model, args.device)
     ids = [tp.prompt_ids(tokenizer, [{"role": "user", "content": t[0]}], kwargs) for _, t in prompts]
     greedy = [tokenizer.decode(t, skip_special_tokens=True)
               for t, _ in dm.generate(target, ids, args.max_new_tokens,
