@@ -337,8 +337,9 @@ def windows_to_documents(ids, mask, max_length, stats, where):
     return docs
 
 
-def conversation_documents(tokenizer, messages, max_length, chat_template_kwargs, stats, where):
-    """Documents of one conversation, per the rules at the top of this section."""
+def conversation_documents(tokenizer, messages, max_length, chat_template_kwargs, stats, where, special=None):
+    """Documents of one conversation, per the rules at the top of this section. special: the
+    tokenizer's special_token_ids (computed here if not given)."""
     if not getattr(tokenizer, "chat_template", None):
         raise UsageError(f"{tokenizer.name_or_path}: the tokenizer has no chat template; use a chat model or "
                          "pre-tokenised rows (input_ids + loss_mask)")
@@ -372,7 +373,7 @@ def conversation_documents(tokenizer, messages, max_length, chat_template_kwargs
     if not kept:
         return []
     enc = tokenizer(prompts + replies, add_special_tokens=False)["input_ids"]
-    special = special_token_ids(tokenizer)
+    special = special_token_ids(tokenizer) if special is None else special
     docs, chain, chain_mask = [], None, None
     for k in range(len(kept)):
         prompt, reply = list(enc[k]), through_end_of_turn(list(enc[len(kept) + k]), special)
@@ -389,7 +390,7 @@ def conversation_documents(tokenizer, messages, max_length, chat_template_kwargs
     return docs
 
 
-def row_documents(row, tokenizer, max_length, vocab_size, chat_template_kwargs, stats, where):
+def row_documents(row, tokenizer, max_length, vocab_size, chat_template_kwargs, stats, where, special=None):
     """Documents [(ids, mask)] of one parsed JSONL row; BadRow for a row that cannot be used."""
     if not isinstance(row, dict):
         raise BadRow("not a JSON object")
@@ -403,7 +404,8 @@ def row_documents(row, tokenizer, max_length, vocab_size, chat_template_kwargs, 
         stats.counts["trained_turns"] += 1
         stats.counts["assistant_tokens"] += int(sum(1 for x in m if x))
         return windows_to_documents(t, [int(bool(x)) for x in m], max_length, stats, where)
-    return conversation_documents(tokenizer, row_to_messages(row), max_length, chat_template_kwargs, stats, where)
+    return conversation_documents(tokenizer, row_to_messages(row), max_length, chat_template_kwargs, stats, where,
+                                  special)
 
 
 def jsonl_rows(path, stats, skip=frozenset()):
@@ -425,9 +427,11 @@ def read_documents(path, tokenizer, max_length, vocab_size, chat_template_kwargs
     """Every document of one JSONL file, and its DocumentStats. Unusable rows are skipped and
     counted by reason; so are turns that cannot be trained."""
     docs, stats = [], DocumentStats()
+    special = special_token_ids(tokenizer)  # once per file, not per row (Gemma 3 has thousands)
     for _, where, row in jsonl_rows(path, stats):
         try:
-            row_docs = row_documents(row, tokenizer, max_length, vocab_size, chat_template_kwargs, stats, where)
+            row_docs = row_documents(row, tokenizer, max_length, vocab_size, chat_template_kwargs, stats, where,
+                                     special)
         except BadRow as e:
             stats.note(stats.skipped_rows, str(e), where)
             continue
@@ -587,21 +591,23 @@ def make_batch(corpus, rows, max_length):
 class BatchSequence:
     """The endless, deterministic sequence of batches: epoch by epoch, rows_per_batch rows each.
     Batch k of the run is the same in every run with the same seed, whatever the worker count, so
-    resuming at a cursor of k batches continues exactly."""
+    resuming at a cursor of k batches continues exactly. docs: the corpus's documents it draws from
+    (default all; the validation documents are left out by index, the corpus is not copied)."""
 
-    def __init__(self, corpus, rows_per_batch, max_length, seed):
+    def __init__(self, corpus, rows_per_batch, max_length, seed, docs=None):
         self.corpus, self.rows_per_batch, self.max_length, self.seed = corpus, rows_per_batch, max_length, seed
-        first = pack_epoch(corpus.lengths, max_length, seed, 0)
+        self.docs = np.arange(len(corpus)) if docs is None else np.asarray(docs)
+        self.lengths = corpus.lengths[self.docs]
+        first = pack_epoch(self.lengths, max_length, seed, 0)
         self.batches_per_epoch = max(1, len(first) // rows_per_batch)
-        real = int(corpus.lengths.sum())
-        self.packing_efficiency = real / (len(first) * max_length)
+        self.packing_efficiency = int(self.lengths.sum()) / (len(first) * max_length)
 
     def iterate(self, skip, round_size=1, mine=range(1)):
         """Batches from number `skip` on. Batch g is position (g - skip) % round_size of its step's
         round; only positions in `mine` are built (over several machines, each builds its slice)."""
         epoch, k = skip // self.batches_per_epoch, skip % self.batches_per_epoch
         while True:
-            rows = pack_epoch(self.corpus.lengths, self.max_length, self.seed, epoch)
+            rows = [[int(self.docs[j]) for j in r] for r in pack_epoch(self.lengths, self.max_length, self.seed, epoch)]
             # Epochs pack into slightly different row counts: cycle rows so every batch is full.
             need = self.batches_per_epoch * self.rows_per_batch
             rows = (rows * math.ceil(need / len(rows)))[:need]
@@ -635,12 +641,12 @@ def prepare_data(args, tokenizer, vocab_size, log):
     corpus = load_corpus(resolve_data_paths(args.data), tokenizer, args.max_length, vocab_size, args.cache_dir,
                          args.chat_template_kwargs, log)
     train_docs, val_docs = split_validation(corpus, args.val_fraction, args.seed)
-    training = corpus.subset(train_docs) if len(val_docs) else corpus
     validation = validation_rows(corpus.subset(val_docs), args.max_length, args.seed, args.val_rows) \
         if len(val_docs) else []
     if validation:
         log(f"data: {len(val_docs)} documents held out for validation ({len(validation)} rows), never trained on")
-    return corpus, BatchSequence(training, args.token_budget // args.max_length, args.max_length, args.seed), validation
+    batches = BatchSequence(corpus, args.token_budget // args.max_length, args.max_length, args.seed, train_docs)
+    return corpus, batches, validation
 
 # -----------------------------------------------------------------------------
 # Target stage: frozen replicas, only as deep as the deepest captured layer, no LM head
