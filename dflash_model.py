@@ -658,14 +658,15 @@ def cache_kwarg(model):
 
 
 # -----------------------------------------------------------------------------
-# Batched decoding: many rows at once over one slot-addressed KV cache
+# Batched decoding: many rows at once over one KV cache
 #
-# Every step appends q positions to all B rows at the same cache slots [c, c + q), each row at
-# its own RoPE positions. Which slots a row keeps (not left padding, not rejected drafts) is a
-# per-row mask that decides what later queries see, so rows may keep different numbers of tokens
-# per step while every shape stays fixed, and a step can be replayed as a CUDA graph. Plain
-# generation runs it with q = 1 (regeneration, greedy references); batched speculative decoding
-# with q = block size (verification), the drafter's context cache sharing the target's slots.
+# Prompts are left-padded to the batch's longest, so row r's token at position p lives in cache
+# slot pad[r] + p. A step appends q tokens to every row right after the row's verified ones, at
+# its own slots and RoPE positions; what the row does not keep (rejected drafts) is excluded by
+# the mask and written over by the next step. Every shape stays fixed, so a step can be replayed
+# as a CUDA graph. Plain generation runs it with q = 1 (regeneration, greedy references); batched
+# speculative decoding with q = block size (verification), the drafter's context cache sharing
+# the target's slots.
 
 def kv_layout(config):
     """(layers, kv heads, head dim) of a decoder config."""
@@ -681,12 +682,20 @@ def check_batchable(config):
         raise ValueError(f"{type(tc).__name__} has sliding-window layers: the batched decoder does not handle them")
 
 
+def write_slots_(cache, slots, new):
+    """cache [B, heads, S, D] <- new [B, heads, q, D] at slots: [q] (every row) or [B, q] (per row)."""
+    if slots.dim() == 1:
+        cache.index_copy_(2, slots, new.to(cache.dtype))
+    else:
+        cache.scatter_(2, slots[:, None, :, None].expand(new.shape), new.to(cache.dtype))
+
+
 def _slot_cache_class():
     from transformers import DynamicCache
 
     class SlotCache(DynamicCache):
         """[rows, kv heads, slots, head dim] per layer, written at the slots `write_slots` (a device
-        tensor the decoder fills before each forward) of the rows `rows` (a slice)."""
+        tensor set before each forward) of the rows `rows` (a slice)."""
 
         def __init__(self, config, batch, slots, dtype, device):
             super().__init__()
@@ -697,13 +706,54 @@ def _slot_cache_class():
 
         def update(self, key_states, value_states, layer_idx, *args, **kwargs):  # kwargs differ by version
             k, v = self.slot_keys[layer_idx][self.rows], self.slot_values[layer_idx][self.rows]
-            k.index_copy_(2, self.write_slots, key_states.to(k.dtype))
-            v.index_copy_(2, self.write_slots, value_states.to(v.dtype))
+            write_slots_(k, self.write_slots, key_states)
+            write_slots_(v, self.write_slots, value_states)
             return k, v
 
         def get_seq_length(self, layer_idx=0):
             return self.length
     return SlotCache
+
+
+def grouped_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
+    """The target's attention while decoding: each group of query heads that shares a KV head
+    runs as one head with group x q queries, so SDPA reads the cache as it is instead of copies
+    repeated to every query head (what transformers' SDPA path does under an explicit mask).
+    Registered with transformers as "dflash_decode"; same result as its SDPA attention."""
+    B, H, q, D = query.shape
+    G = H // key.shape[1]
+    if G > 1:
+        query = query.reshape(B, H // G, G * q, D)
+        if attention_mask is not None and attention_mask.shape[1] == 1:
+            attention_mask = attention_mask[:, :, None].expand(-1, -1, G, -1, -1).reshape(
+                attention_mask.shape[0], 1, G * q, attention_mask.shape[-1])
+    out = F.scaled_dot_product_attention(query, key, value, attn_mask=attention_mask, scale=scaling)
+    return out.reshape(B, H, q, D).transpose(1, 2).contiguous(), None
+
+
+@functools.cache
+def _register_grouped_attention():
+    from transformers import AttentionInterface
+    AttentionInterface.register("dflash_decode", grouped_attention)
+    return "dflash_decode"
+
+
+class attention_implementation:
+    """Within the block, the model's layers use the named attention (restored after)."""
+
+    def __init__(self, model, name):
+        self.configs = [c for c in {id(m.config): m.config for m in model.modules()
+                                    if hasattr(getattr(m, "config", None), "_attn_implementation")}.values()]
+        self.name = name
+
+    def __enter__(self):
+        self.saved = [c._attn_implementation for c in self.configs]
+        for c in self.configs:
+            c._attn_implementation = self.name
+
+    def __exit__(self, *exc):
+        for c, name in zip(self.configs, self.saved):
+            c._attn_implementation = name
 
 
 def additive_mask(allowed, dtype):
@@ -715,30 +765,28 @@ def additive_mask(allowed, dtype):
 class BatchDecoder:
     """A target decoding `batch` rows over `slots` cache slots (see the section comment). With
     graph=True (CUDA) each step width q is captured once as a CUDA graph and replayed. layer_ids:
-    target layers whose outputs step() also returns (the drafter's features)."""
+    target layers whose outputs step() also returns (the drafter's features). grouped: the
+    target's attention by grouped_attention (else the model's own)."""
 
-    def __init__(self, model, batch, slots, layer_ids=(), graph=False, prefill_elements=2**27):
+    def __init__(self, model, batch, slots, layer_ids=(), graph=False, prefill_elements=2**27, grouped=True):
         check_batchable(model.config)
         p = next(model.parameters())
         self.model, self.B, self.S, self.device, self.dtype = model, batch, slots, p.device, p.dtype
         self.cache = _slot_cache_class()(model.config, batch, slots, p.dtype, p.device)
         self.layer_ids, self.kw = list(layer_ids), cache_kwarg(model)
         self.use_graph = graph and p.device.type == "cuda"
+        self.attention = _register_grouped_attention() if grouped else None
         self.prefill_elements = prefill_elements  # rows x prompt x slots per prefill chunk (mask memory)
         self.graphs = {}
         # Per-row state, updated in place: a captured step reads these buffers where they are.
-        self.kept = torch.zeros(batch, slots, dtype=torch.bool, device=p.device)  # slots the row keeps
-        self.next_pos = torch.zeros(batch, dtype=torch.long, device=p.device)     # the row's next position
-        self.reset()
-
-    def reset(self):
-        self.kept.zero_()
-        self.next_pos.zero_()
-        self.c = 0
+        self.pad = torch.zeros(batch, dtype=torch.long, device=p.device)       # slot of the row's position 0
+        self.next_pos = torch.zeros(batch, dtype=torch.long, device=p.device)  # the row's verified tokens
+        self.slot = torch.arange(slots, device=p.device)
 
     def _forward(self, ids, positions, slots, allowed, last_only=False):
-        self.cache.write_slots, self.cache.length = slots, self.c
-        with capture_layer_outputs(self.model, self.layer_ids) as feats:
+        self.cache.write_slots = slots
+        with capture_layer_outputs(self.model, self.layer_ids) as feats, \
+                attention_implementation(self.model, self.attention or self.model.config._attn_implementation):
             # last_only: logits of the last position only (a prefill's [rows, P, vocab] would not fit)
             logits = self.model(input_ids=ids, position_ids=positions, attention_mask=additive_mask(allowed, self.dtype),
                                 use_cache=True, logits_to_keep=1 if last_only else 0, **{self.kw: self.cache}).logits
@@ -751,69 +799,65 @@ class BatchDecoder:
         P = max(len(p) for p in prompts)
         if P > self.S:
             raise ValueError(f"a prompt of {P} tokens does not fit {self.S} cache slots")
+        lengths = torch.tensor([len(p) for p in prompts])
         ids = torch.zeros(self.B, P, dtype=torch.long)
-        pos = torch.zeros(self.B, P, dtype=torch.long)
-        valid = torch.zeros(self.B, P, dtype=torch.bool)
         for r, p in enumerate(prompts):
             ids[r, P - len(p):] = torch.as_tensor(p)
-            pos[r, P - len(p):] = torch.arange(len(p))
-            valid[r, P - len(p):] = True
-        ids, pos, valid = ids.to(self.device), pos.to(self.device), valid.to(self.device)
-        self.reset()
-        slots = torch.arange(P, device=self.device)
-        causal = torch.ones(P, self.S, dtype=torch.bool, device=self.device).tril()
+        pad = (P - lengths).to(self.device)
+        pos = (torch.arange(P, device=self.device)[None] - pad[:, None]).clamp(min=0)
+        ids = ids.to(self.device)
+        slots = self.slot[:P]
+        # causal, and nothing left of the row's first token
+        allowed = (self.slot[None, None, :] <= slots[None, :, None]) & (self.slot[None, None, :] >= pad[:, None, None])
+        self.cache.length = 0
         logits, feats = [], []
         step = max(1, self.prefill_elements // (P * self.S))
         for r0 in range(0, self.B, step):
             rows = slice(r0, min(self.B, r0 + step))
             self.cache.rows = rows
-            allowed = causal & F.pad(valid[rows], (0, self.S - P))[:, None, :]
-            lg, ft = self._forward(ids[rows], pos[rows], slots, allowed, last_only=True)
+            lg, ft = self._forward(ids[rows], pos[rows], slots, allowed[rows], last_only=True)
             logits.append(lg[:, -1])
             feats.append(ft)
         self.cache.rows = slice(None)
-        self.kept[:, :P] = valid
-        self.next_pos.copy_(valid.sum(1))
-        self.c = P
+        self.pad.copy_(pad)
+        self.next_pos.copy_(lengths)
+        self.cache.length = P
         return torch.cat(logits), (torch.cat(feats) if self.layer_ids else None)
 
-    def _step_eager(self, ids, slots):
+    def verified(self):
+        """[B, S]: the slots of each row's verified tokens."""
+        return (self.slot[None] >= self.pad[:, None]) & (self.slot[None] < (self.pad + self.next_pos)[:, None])
+
+    def _step_eager(self, ids):
         q = ids.shape[1]
         positions = self.next_pos[:, None] + torch.arange(q, device=self.device)
-        slot = torch.arange(self.S, device=self.device)
-        new = (slot[None, :] >= slots[0]) & (slot[None, :] <= slots[:, None])  # [q, S]: causal in the block
-        allowed = self.kept[:, None, :] | new[None]
+        slots = self.pad[:, None] + positions  # [B, q]
+        allowed = (self.slot[None, None, :] >= self.pad[:, None, None]) & (self.slot[None, None, :] <= slots[:, :, None])
         return self._forward(ids, positions, slots, allowed)
 
     def step(self, ids):
-        """ids [B, q] at slots [c, c + q); returns (logits [B, q, V], features [B, q, F] or None).
-        Nothing is kept until advance()."""
+        """ids [B, q] right after each row's verified tokens; returns (logits [B, q, V], features
+        [B, q, F] or None). Nothing is kept until advance(). The caller keeps every row within the
+        cache: pad + verified tokens + q <= slots."""
         q = ids.shape[1]
-        if self.c + q > self.S:
-            raise ValueError(f"the batch ran out of cache slots ({self.S})")
-        slots = torch.arange(self.c, self.c + q, device=self.device)
         self.last_q = q
         if not self.use_graph:
-            return self._step_eager(ids, slots)
+            return self._step_eager(ids)
         if q not in self.graphs:
-            static = {"ids": ids.clone(), "slots": slots.clone()}
-            self._step_eager(static["ids"], static["slots"])  # warm-up: writes slots that the step rewrites
+            static = {"ids": ids.clone()}
+            self._step_eager(static["ids"])  # warm-up: writes slots that the step rewrites
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, capture_error_mode="thread_local"):  # other threads may run CUDA work
-                static["out"] = self._step_eager(static["ids"], static["slots"])
+                static["out"] = self._step_eager(static["ids"])
             self.graphs[q] = (graph, static)
         graph, static = self.graphs[q]
         static["ids"].copy_(ids)
-        static["slots"].copy_(slots)
         graph.replay()
         return static["out"]
 
     def advance(self, keep):
-        """Each row keeps the first keep[r] (a [B] tensor) of the q positions the last step appended."""
-        q = self.last_q
-        self.kept[:, self.c:self.c + q] = torch.arange(q, device=self.device)[None] < keep[:, None]
+        """Each row keeps the first keep[r] (a [B] tensor) of the q tokens the last step appended."""
         self.next_pos += keep
-        self.c += q
 
 
 def pick_tokens(logits, temperature=0.0, top_p=1.0, generator=None):
@@ -829,8 +873,9 @@ def pick_tokens(logits, temperature=0.0, top_p=1.0, generator=None):
 
 
 def slots_for(prompt_len, new_slots, granule=256):
-    """Cache slots for a batch: its longest prompt rounded up (few distinct shapes, few graphs)."""
-    return -(-prompt_len // granule) * granule + new_slots
+    """Cache slots for a batch: its longest prompt rounded up (few distinct shapes, few graphs),
+    and the new tokens rounded up to 16 (aligned rows for the attention kernels)."""
+    return -(-prompt_len // granule) * granule + -(-new_slots // 16) * 16
 
 
 def length_batches(prompts, batch_size, slots_of, cache_bytes_per_slot, cache_budget):
@@ -941,12 +986,12 @@ class DrafterContext:
         self.kv = [(torch.zeros(shape, dtype=dt, device=decoder.device), torch.zeros(shape, dtype=dt, device=decoder.device))
                    for _ in range(n)]
 
-    def write(self, drafter, features, positions, slot0):
+    def write(self, drafter, features, positions, slots):
         """Context keys/values of the target features [B, q, F] at positions [B, q] into slots
-        [slot0, slot0 + q)."""
+        ([q], or [B, q] per row)."""
         for (k, v), (nk, nv) in zip(self.kv, drafter.context_kv(features.to(drafter.fc.weight.dtype), positions)):
-            k[:, :, slot0:slot0 + nk.shape[2]] = nk
-            v[:, :, slot0:slot0 + nv.shape[2]] = nv
+            write_slots_(k, slots, nk)
+            write_slots_(v, slots, nv)
 
 
 @torch.no_grad()
@@ -964,22 +1009,23 @@ def speculative_generate(model, prompts, max_new_tokens, stop_token_ids=(), draf
     dev = next(model.parameters()).device
     results = [None] * len(prompts)
     layer_ids = drafter.target_layer_ids if drafter is not None else ()
-    for idx, decoder in decoder_batches(model, prompts, batch_size, (max_new_tokens + 1) * bs, layer_ids, graph):
+    # a row stops before max_new_tokens verified tokens; its last step appends bs more
+    for idx, decoder in decoder_batches(model, prompts, batch_size, max_new_tokens + bs, layer_ids, graph):
         rows = [prompts[i] for i in idx]
         logits, feats = decoder.prefill(rows)
         ctx = None
         if drafter is not None:
             ctx = DrafterContext(drafter, decoder)
-            P = decoder.c
-            pos = (torch.arange(P, device=dev)[None] - (P - decoder.next_pos[:, None])).clamp(min=0)
-            ctx.write(drafter, feats, pos, 0)
+            P = feats.shape[1]
+            ctx.write(drafter, feats, (torch.arange(P, device=dev)[None] - decoder.pad[:, None]).clamp(min=0),
+                      decoder.slot[:P])
         anchor = logits.argmax(-1)
         outs = [[int(a)] for a in anchor.tolist()[:len(rows)]]
         gained = [[] for _ in rows]
         active = [o[0] not in stop and max_new_tokens > 1 for o in outs]
         while any(active):
             if drafter is not None:  # each block sees its row's verified slots, and itself
-                sees = torch.cat([decoder.kept, torch.ones(decoder.B, bs, dtype=torch.bool, device=dev)], 1)
+                sees = torch.cat([decoder.verified(), torch.ones(decoder.B, bs, dtype=torch.bool, device=dev)], 1)
                 draft = drafter.draft_logits(ctx.kv, anchor, decoder.next_pos, sdpa_attend(sees[:, None, None, :]))
                 draft = draft.argmax(-1)
                 proposed = torch.full((decoder.B,), bs - 1, device=dev)
@@ -988,13 +1034,14 @@ def speculative_generate(model, prompts, max_new_tokens, stop_token_ids=(), draf
                 props += [[]] * (decoder.B - len(props))
                 draft = torch.tensor([p + [0] * (bs - 1 - len(p)) for p in props], device=dev)
                 proposed = torch.tensor([len(p) for p in props], device=dev)
-            c0 = decoder.c
+            block_pos = decoder.next_pos[:, None] + torch.arange(bs, device=dev)
             logits, feats = decoder.step(torch.cat([anchor[:, None], draft], 1))
             pred = logits.argmax(-1)  # [B, bs]
             m = (draft == pred[:, :-1]).long().cumprod(-1).sum(-1).minimum(proposed)
-            decoder.advance(m + 1)  # the block's first token and its m accepted drafts are verified
-            if ctx is not None:
-                ctx.write(drafter, feats, decoder.next_pos[:, None] - (m + 1)[:, None] + torch.arange(bs, device=dev), c0)
+            if ctx is not None:  # all bs slots: those not kept are masked out and written over later
+                ctx.write(drafter, feats, block_pos, decoder.pad[:, None] + block_pos)
+            live = torch.tensor(active + [False] * (decoder.B - len(active)), device=dev)
+            decoder.advance((m + 1) * live)  # the block's first token and its m accepted drafts; finished rows stay
             anchor = pred.gather(1, m[:, None]).squeeze(1)
             m_host, draft_host, anchor_host = m.tolist(), draft.tolist(), anchor.tolist()
             for r in range(len(rows)):
