@@ -444,3 +444,26 @@ def test_near_tie_tells_rounding_from_a_wrong_token():
     with torch.no_grad():
         target.lm_head.weight[9] = target.lm_head.weight[4]  # tokens 4 and 9 now score the same
     assert tp.near_tie(target, [1, 2, 3], [4], [9], 0) == (True, 0.0)
+
+
+def test_near_tie_is_rounding_at_the_scale_of_the_rows_logits():
+    """bf16: two small logits 0.03 apart in a row whose largest logit is 20 are within rounding
+    (the hidden state's rounding moves every logit by up to a few units at that scale); 1.0 apart
+    they are not."""
+    import types
+    import train_dflash_pipeline as tp
+
+    class Fixed(torch.nn.Module):
+        def __init__(self, row):
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.zeros(1))
+            self.row = row
+
+        def forward(self, ids, logits_to_keep=1):
+            return types.SimpleNamespace(logits=self.row[None, None].expand(1, ids.shape[1], -1))
+
+    row = torch.zeros(8, dtype=torch.bfloat16)
+    row[0], row[1], row[2] = 20.0, 0.5, 0.53
+    assert tp.near_tie(Fixed(row), [5], [1], [2], 0)[0] is True
+    row[2] = 1.5
+    assert tp.near_tie(Fixed(row), [5], [1], [2], 0)[0] is False
