@@ -67,6 +67,7 @@ def test_end_to_end_two_workers(tmp_path, tiny_model_dir):
     assert drafter.block_size == 4 and len(drafter.layers) == 2
     log = (out / "train.log").read_text()
     assert "tok/s" in log and "tau" in log and "done: 30 steps" in log
+    assert "split: target and drafter share ['cpu']" in log  # measured busy times, logged once
 
 
 def test_replicas_stay_identical(tmp_path, tiny_model_dir, monkeypatch):
@@ -458,3 +459,23 @@ def test_split_validation_is_disjoint_deterministic_and_sized():
     sub = corpus.subset(held)
     assert [sub.doc(i)[0].tolist() for i in range(len(sub))] == [corpus.doc(d)[0].tolist() for d in held]
     assert len(tp.split_validation(corpus, 0.01, seed=1)[1]) == 0  # too few documents to hold any out
+
+
+def test_split_advice_names_the_bound_stage_and_the_fastest_split():
+    """The issue's figures: Qwen3-8B shapes, 4 x 3072 tokens, target forward 427 ms and drafter
+    step 518 ms on an H200. 6+2 is drafter-bound at 2 x 12288 / 0.518 = 47.4K tokens/s; of 8 GPUs
+    4+4 is fastest (min(4 x 28.8K, 4 x 23.7K) = 94.9K)."""
+    gpu = lambda *i: [torch.device("cuda", k) for k in i]
+    a = tp.split_advice(0.427, 0.518, gpu(0, 1, 2, 3, 4, 5), gpu(6, 7), 12288)
+    assert a["bound"] == "drafter"
+    assert a["expected_tokens_per_s"] == pytest.approx(2 * 12288 / 0.518)
+    assert a["best"][:2] == (4, 4) and a["best"][2] == pytest.approx(4 * 12288 / 0.518)
+    assert a["flags"] == "--target-gpus 0,1,2,3 --drafter-gpus 4,5,6,7"
+    assert "drafter-bound" in a["line"] and "4+4" in a["line"] and a["flags"] in a["line"]
+    # a fast drafter: the target bounds 1+1, and 1+1 is already the best split of two GPUs
+    b = tp.split_advice(0.4, 0.1, gpu(0), gpu(1), 12288)
+    assert b["bound"] == "target" and b["best"][:2] == (1, 1) and b["flags"] is None
+    assert b["expected_tokens_per_s"] == pytest.approx(12288 / 0.4)
+    # one device shared: the stages take turns
+    c = tp.split_advice(0.2, 0.3, gpu(0), gpu(0), 1000)
+    assert c["bound"] == "shared" and c["expected_tokens_per_s"] == pytest.approx(1000 / 0.5)
