@@ -907,7 +907,7 @@ def cache_plan(model, cache_fraction=0.5):
     return per_slot, budget
 
 
-def decoder_batches(model, prompts, batch_size, new_slots, layer_ids=(), graph=True):
+def decoder_batches(model, prompts, batch_size, new_slots, layer_ids=(), graph=True, grouped=True):
     """(prompt indices, BatchDecoder) per batch of length_batches(); a decoder is reused while
     its shape fits, and let go before the next shape's cache is allocated."""
     decoder = None
@@ -915,7 +915,7 @@ def decoder_batches(model, prompts, batch_size, new_slots, layer_ids=(), graph=T
                                            *cache_plan(model)):
         if decoder is None or (decoder.B, decoder.S) != (rows, slots):
             decoder = None
-            decoder = BatchDecoder(model, rows, slots, layer_ids, graph)
+            decoder = BatchDecoder(model, rows, slots, layer_ids, graph, grouped=grouped)
         yield idx, decoder
 
 
@@ -929,16 +929,17 @@ def cut_at_stop(tokens, stop, max_new_tokens):
 
 @torch.no_grad()
 def generate(model, prompts, max_new_tokens, stop_token_ids=(), batch_size=64, temperature=0.0, top_p=1.0,
-             seed=0, graph=True, progress=None):
+             seed=0, graph=True, progress=None, grouped=True):
     """Completions of every prompt (lists of token ids), in order: [(tokens, 'stop' | 'length')].
     Greedy at temperature 0 (equal to transformers' generate with do_sample=False), sampled
-    otherwise (seeded). progress(rows_done, new_tokens) after each batch."""
+    otherwise (seeded). progress(rows_done, new_tokens) after each batch. grouped: see
+    BatchDecoder."""
     stop = set(int(t) for t in stop_token_ids)
     dev = next(model.parameters()).device
     stop_t = torch.tensor(sorted(stop) or [-1], device=dev)
     gen = torch.Generator(device=dev).manual_seed(seed)
     results = [None] * len(prompts)
-    for idx, decoder in decoder_batches(model, prompts, batch_size, max_new_tokens, graph=graph):
+    for idx, decoder in decoder_batches(model, prompts, batch_size, max_new_tokens, graph=graph, grouped=grouped):
         rows = [prompts[i] for i in idx]
         logits, _ = decoder.prefill(rows)
         out = torch.empty(decoder.B, max_new_tokens, dtype=torch.long, device=dev)

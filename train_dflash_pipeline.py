@@ -1654,6 +1654,10 @@ def feed(run, replicas):
         for w in run.workers:
             _, batch = next(batches)
             replica = replicas[run.target_batches_fed % len(replicas)]
+            if "cuda" in (replica.device.type, w.device.type):
+                # a copy from pageable memory blocks this thread until the stream's queued work is
+                # done (a target forward, say); from pinned memory it is queued like the rest
+                batch = {k: v.pin_memory() for k, v in batch.items()}
             run.target_clock.start(replica.device)
             feats = replica.features(batch)
             run.target_clock.stop(replica.device)
@@ -2398,7 +2402,7 @@ DEMO_DEFAULTS = dict(max_length=256, token_budget=1024, num_anchors=16, num_draf
 # On a GPU the demo is the whole recipe: regenerate every built-in conversation with the target,
 # train with --compile, evaluate on the 80 MT-Bench questions (both turns) against prompt lookup.
 GPU_DEMO_DEFAULTS = dict(max_length=2048, token_budget=16384, num_anchors=512, num_draft_layers=5, lr=1e-3,
-                         epochs=4, log_interval=50, save_interval=1000, output_dir="runs/demo-gpu", eval_prompts=80,
+                         epochs=16, log_interval=50, save_interval=1000, output_dir="runs/demo-gpu", eval_prompts=80,
                          eval_turns=2, eval_max_new_tokens=256, compile=True, regen_max_new_tokens=256)
 
 
