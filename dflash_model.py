@@ -13,6 +13,7 @@ Read top to bottom: config -> layers -> model -> training objective -> inference
 import copy
 import functools
 import inspect
+import itertools
 import json
 import os
 
@@ -792,36 +793,51 @@ class BatchDecoder:
                                 use_cache=True, logits_to_keep=1 if last_only else 0, **{self.kw: self.cache}).logits
         return logits, (torch.cat(feats, -1) if self.layer_ids else None)
 
-    def prefill(self, prompts):
-        """Left-padded prompts (token lists, at most B; missing rows repeat the first) into slots
-        [0, P). Returns (logits at each row's last prompt token [B, V], features [B, P, F] or None)."""
-        prompts = list(prompts) + [prompts[0]] * (self.B - len(prompts))
-        P = max(len(p) for p in prompts)
+    def prefill(self, prompts, rows=None):
+        """Left-padded prompts (token lists) into slots [0, P) of every row (rows None: at most B
+        prompts, missing rows repeat the first), or of the given rows only while the others keep
+        their state (a finished row refilled). Returns (logits at each prompt's last token [n, V],
+        features [n, P, F] or None)."""
+        if rows is None:
+            prompts = list(prompts) + [prompts[0]] * (self.B - len(prompts))
+            rows = list(range(self.B))
+        n, P = len(prompts), max(len(p) for p in prompts)
         if P > self.S:
             raise ValueError(f"a prompt of {P} tokens does not fit {self.S} cache slots")
         lengths = torch.tensor([len(p) for p in prompts])
-        ids = torch.zeros(self.B, P, dtype=torch.long)
+        ids = torch.zeros(n, P, dtype=torch.long)
         for r, p in enumerate(prompts):
             ids[r, P - len(p):] = torch.as_tensor(p)
         pad = (P - lengths).to(self.device)
         pos = (torch.arange(P, device=self.device)[None] - pad[:, None]).clamp(min=0)
         ids = ids.to(self.device)
-        slots = self.slot[:P]
+        # every row at once into the cache itself; some rows into a cache of their own, copied in after
+        whole = list(rows) == list(range(self.B))
+        cache = self.cache if whole else _slot_cache_class()(self.model.config, n, P, self.dtype, self.device)
+        S = cache.slot_keys[0].shape[2]
+        slot, slots = self.slot[:S], self.slot[:P]
         # causal, and nothing left of the row's first token
-        allowed = (self.slot[None, None, :] <= slots[None, :, None]) & (self.slot[None, None, :] >= pad[:, None, None])
-        self.cache.length = 0
+        allowed = (slot[None, None, :] <= slots[None, :, None]) & (slot[None, None, :] >= pad[:, None, None])
+        main, self.cache = self.cache, cache
+        cache.length = 0
         logits, feats = [], []
-        step = max(1, self.prefill_elements // (P * self.S))
-        for r0 in range(0, self.B, step):
-            rows = slice(r0, min(self.B, r0 + step))
-            self.cache.rows = rows
-            lg, ft = self._forward(ids[rows], pos[rows], slots, allowed[rows], last_only=True)
-            logits.append(lg[:, -1])
-            feats.append(ft)
-        self.cache.rows = slice(None)
-        self.pad.copy_(pad)
-        self.next_pos.copy_(lengths)
-        self.cache.length = P
+        step = max(1, self.prefill_elements // (P * S))
+        try:
+            for r0 in range(0, n, step):
+                part = slice(r0, min(n, r0 + step))
+                cache.rows = part
+                lg, ft = self._forward(ids[part], pos[part], slots, allowed[part], last_only=True)
+                logits.append(lg[:, -1])
+                feats.append(ft)
+        finally:
+            self.cache, cache.rows = main, slice(None)
+        rows_t = torch.as_tensor(rows, device=self.device)
+        if cache is not main:
+            for big, small in zip(main.slot_keys + main.slot_values, cache.slot_keys + cache.slot_values):
+                big[rows_t, :, :P] = small
+        self.pad[rows_t] = pad
+        self.next_pos[rows_t] = lengths.to(self.device)
+        main.length = max(main.length, P)
         return torch.cat(logits), (torch.cat(feats) if self.layer_ids else None)
 
     def verified(self):
@@ -908,15 +924,27 @@ def cache_plan(model, cache_fraction=0.5):
 
 
 def decoder_batches(model, prompts, batch_size, new_slots, layer_ids=(), graph=True, grouped=True):
-    """(prompt indices, BatchDecoder) per batch of length_batches(); a decoder is reused while
-    its shape fits, and let go before the next shape's cache is allocated."""
-    decoder = None
+    """(prompt indices, BatchDecoder) per cache shape of length_batches(): the prompts of
+    consecutive batches of the same shape share one decoder, the next shape's cache is allocated
+    only after the last one is let go."""
+    groups = []
     for idx, rows, slots in length_batches(prompts, batch_size, lambda n: slots_for(n, new_slots),
                                            *cache_plan(model)):
-        if decoder is None or (decoder.B, decoder.S) != (rows, slots):
-            decoder = None
-            decoder = BatchDecoder(model, rows, slots, layer_ids, graph, grouped=grouped)
+        if groups and groups[-1][1:] == (rows, slots):
+            groups[-1][0].extend(idx)
+        else:
+            groups.append((list(idx), rows, slots))
+    for idx, rows, slots in groups:
+        decoder = None
+        decoder = BatchDecoder(model, rows, slots, layer_ids, graph, grouped=grouped)
         yield idx, decoder
+
+
+def row_batches(groups):
+    """(prompt indices, decoder) per batch of at most decoder.B prompts of each group."""
+    for group, decoder in groups:
+        for at in range(0, len(group), decoder.B):
+            yield group[at:at + decoder.B], decoder
 
 
 def cut_at_stop(tokens, stop, max_new_tokens):
@@ -932,34 +960,59 @@ def generate(model, prompts, max_new_tokens, stop_token_ids=(), batch_size=64, t
              seed=0, graph=True, progress=None, grouped=True):
     """Completions of every prompt (lists of token ids), in order: [(tokens, 'stop' | 'length')].
     Greedy at temperature 0 (equal to transformers' generate with do_sample=False), sampled
-    otherwise (seeded). progress(rows_done, new_tokens) after each batch. grouped: see
+    otherwise (seeded). progress(rows_done, new_tokens) as rows finish. grouped: see
     BatchDecoder."""
     stop = set(int(t) for t in stop_token_ids)
     dev = next(model.parameters()).device
     stop_t = torch.tensor(sorted(stop) or [-1], device=dev)
     gen = torch.Generator(device=dev).manual_seed(seed)
     results = [None] * len(prompts)
-    for idx, decoder in decoder_batches(model, prompts, batch_size, max_new_tokens, graph=graph, grouped=grouped):
-        rows = [prompts[i] for i in idx]
-        logits, _ = decoder.prefill(rows)
-        out = torch.empty(decoder.B, max_new_tokens, dtype=torch.long, device=dev)
-        done = torch.zeros(decoder.B, dtype=torch.bool, device=dev)
-        done[len(rows):] = True
-        ones = torch.ones(decoder.B, dtype=torch.long, device=dev)
-        for t in range(max_new_tokens):
-            tok = pick_tokens(logits, temperature, top_p, gen)
-            out[:, t] = tok
-            done |= torch.isin(tok, stop_t)
-            if t + 1 == max_new_tokens or (t % 16 == 15 and bool(done.all())):  # one host sync per 16 steps
-                break
+    for group, decoder in decoder_batches(model, prompts, batch_size, max_new_tokens, graph=graph, grouped=grouped):
+        # Rows run continuously: every 16 steps (one host sync) the finished rows hand in their
+        # outputs and take the group's next prompts, so the batch stays full while replies end
+        # at different lengths.
+        B, queue = decoder.B, list(group)
+        owner = [queue.pop(0) if queue else None for _ in range(B)]  # the prompt each row decodes
+        logits, _ = decoder.prefill([prompts[i] for i in owner if i is not None])
+        out = torch.zeros(B, max_new_tokens, dtype=torch.long, device=dev)
+        count = torch.zeros(B, dtype=torch.long, device=dev)  # tokens each row has generated
+        done = torch.tensor([i is None for i in owner], device=dev)
+        rows = torch.arange(B, device=dev)
+
+        def record(tok, which=None):  # the running rows (of `which`) take tok as their next token
+            take = ~done if which is None else ~done & which
+            at = count.clamp(max=max_new_tokens - 1)
+            out[rows, at] = torch.where(take, tok, out[rows, at])
+            count.add_(take.long())
+            done.logical_or_(take & (torch.isin(tok, stop_t) | (count >= max_new_tokens)))
+
+        tok = pick_tokens(logits, temperature, top_p, gen)
+        record(tok)
+        for step in itertools.count(1):
+            if step % 16 == 0:
+                finished = [r for r, d in enumerate(done.tolist()) if d and owner[r] is not None]
+                counts, tokens = count.tolist(), out[finished].tolist()
+                for r, toks in zip(finished, tokens):
+                    results[owner[r]] = cut_at_stop(toks[:counts[r]], stop, max_new_tokens)
+                    if progress is not None:
+                        progress(1, len(results[owner[r]][0]))
+                    owner[r] = None
+                refill = finished[:len(queue)]
+                if refill:
+                    for r in refill:
+                        owner[r] = queue.pop(0)
+                    lg, _ = decoder.prefill([prompts[owner[r]] for r in refill], rows=refill)
+                    r_t = torch.as_tensor(refill, device=dev)
+                    count[r_t], done[r_t] = 0, False
+                    tok = tok.clone()
+                    tok[r_t] = pick_tokens(lg, temperature, top_p, gen)
+                    record(tok, torch.isin(rows, r_t))  # the others have recorded theirs
+                if all(o is None for o in owner):
+                    break
             logits, _ = decoder.step(tok[:, None])
-            decoder.advance(ones)
-            logits = logits[:, -1]
-        out = out[:len(rows), :t + 1].tolist()
-        for i, tokens in zip(idx, out):
-            results[i] = cut_at_stop(tokens, stop, max_new_tokens)
-        if progress is not None:
-            progress(len(rows), sum(len(results[i][0]) for i in idx))
+            decoder.advance((~done).long())  # a finished row stays where it is
+            tok = pick_tokens(logits[:, -1], temperature, top_p, gen)
+            record(tok)
     return results
 
 
@@ -1011,7 +1064,8 @@ def speculative_generate(model, prompts, max_new_tokens, stop_token_ids=(), draf
     results = [None] * len(prompts)
     layer_ids = drafter.target_layer_ids if drafter is not None else ()
     # a row stops before max_new_tokens verified tokens; its last step appends bs more
-    for idx, decoder in decoder_batches(model, prompts, batch_size, max_new_tokens + bs, layer_ids, graph):
+    for idx, decoder in row_batches(decoder_batches(model, prompts, batch_size, max_new_tokens + bs, layer_ids,
+                                                    graph)):
         rows = [prompts[i] for i in idx]
         logits, feats = decoder.prefill(rows)
         ctx = None

@@ -344,6 +344,27 @@ def test_batched_decoding_equals_transformers_generate_and_per_row_speculation()
             assert alone == spec and alone_gains == gains
 
 
+def test_finished_rows_are_refilled_and_decode_as_transformers_does(monkeypatch):
+    """Rows that stop early take the next prompts of their group while the others keep decoding
+    (some rows refilled, all rows at once at the end): every output still equals transformers'
+    greedy generate of that prompt alone."""
+    target = tiny_target(arch="llama", dtype=torch.float32, init_std=0.15, vocab=128)
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(3, 128, (int(n),), generator=g).tolist() for n in torch.randint(2, 40, (11,), generator=g)]
+    free = [hf_greedy(target, torch.tensor([p]), 40) for p in prompts]
+    # the stop id: a token that ends some replies early and others late or never
+    stop = max(range(128), key=lambda t: len({min(f.index(t), 40) if t in f else 40 for f in free}))
+    refills = []
+    real = dm.BatchDecoder.prefill
+    monkeypatch.setattr(dm.BatchDecoder, "prefill",
+                        lambda self, ps, rows=None: refills.append(rows) or real(self, ps, rows))
+    out = dm.generate(target, prompts, 40, [stop], batch_size=4, graph=False)
+    assert [t for t, _ in out] == [hf_greedy(target, torch.tensor([p]), 40, stop) for p in prompts]
+    assert any(r is not None and len(r) < 4 for r in refills), refills  # a partial refill happened
+    ends = {len(t) for t, _ in out}
+    assert len(ends) > 2, ends
+
+
 def test_grouped_decoding_attention_equals_the_models_own(monkeypatch):
     """The decoder's grouped-query attention (the KV cache read once per KV head) gives the
     logits of transformers' own attention, at one token and at a block, rows of mixed lengths."""
