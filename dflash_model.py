@@ -501,10 +501,22 @@ class DFlashDraftModel(nn.Module):
         """
         bs = self.block_size
         gamma = gamma or default_loss_gamma(bs)
-        B, L = input_ids.shape
         anchors, anchor_valid = self.select_anchors(anchor_noise, loss_mask, doc_ids, num_anchors)
-        hidden = self.block_hidden(target_hidden, input_ids, doc_ids, position_ids, anchors, attention)
+        ce, correct, label_ok = self.block_predictions(target_hidden, input_ids, loss_mask, doc_ids, position_ids,
+                                                       anchors, anchor_valid, ce_chunk_size, attention)
+        slot = torch.arange(1, bs, device=anchors.device)
+        weight = torch.exp(-(slot - 1).to(ce.dtype) / gamma) * label_ok
+        loss = (weight * ce).sum() / weight.sum().clamp(min=1e-6)
+        return loss, self.block_stats(loss, correct, label_ok, anchor_valid)
 
+    def block_predictions(self, target_hidden, input_ids, loss_mask, doc_ids, position_ids, anchors, anchor_valid,
+                          ce_chunk_size=4096, attention="sdpa"):
+        """(cross-entropy, greedy draft correct, label counts) [B, A, bs - 1] for slots 1.. of the
+        blocks at anchors [B, A]."""
+        bs = self.block_size
+        B, L = input_ids.shape
+        num_anchors = anchors.shape[1]
+        hidden = self.block_hidden(target_hidden, input_ids, doc_ids, position_ids, anchors, attention)
         # Slot k of the block at a predicts token a + k (k >= 1), inside the row and the document.
         # Slot 0 holds the anchor token itself and predicts nothing: it gets no logits.
         slot = torch.arange(1, bs, device=anchors.device)
@@ -518,15 +530,23 @@ class DFlashDraftModel(nn.Module):
         predicting = hidden.view(B, num_anchors, bs, -1)[:, :, 1:].reshape(B * num_anchors * (bs - 1), -1)
         ce, correct = lm_head_ce(predicting, self.lm_head_weight, labels.reshape(-1), ce_chunk_size,
                               torch.is_grad_enabled() and predicting.requires_grad)
-        ce = ce.view(B, num_anchors, bs - 1)
-        weight = torch.exp(-(slot - 1).to(ce.dtype) / gamma) * label_ok
-        loss = (weight * ce).sum() / weight.sum().clamp(min=1e-6)
-        return loss, self.block_stats(loss, correct.view(B, num_anchors, bs - 1), label_ok, anchor_valid)
+        return ce.view(B, num_anchors, bs - 1), correct.view(B, num_anchors, bs - 1), label_ok
+
+    @torch.no_grad()
+    def accepted_lengths(self, target_hidden, input_ids, anchors, ce_chunk_size=4096):
+        """Teacher-forced, one document per row: the tokens greedy verification would gain at each
+        anchor [B, A] (1 + the leading slots whose greedy draft equals the tokens that follow)."""
+        B, L = input_ids.shape
+        ones = torch.ones(B, L, device=input_ids.device)
+        _, correct, label_ok = self.block_predictions(
+            target_hidden, input_ids, ones, torch.zeros_like(input_ids), torch.arange(L, device=input_ids.device).expand(B, L),
+            anchors, torch.ones_like(anchors, dtype=torch.bool), ce_chunk_size)
+        return 1 + (correct & label_ok).long().cumprod(-1).sum(-1)
 
     @staticmethod
     def block_stats(loss, correct, label_ok, anchor_valid):
-        """Sums that add up across steps: [loss, sum tau, blocks, correct per slot, labels per slot].
-        correct and label_ok are [B, A, bs - 1], for slots 1..bs-1."""
+        """Sums that add up across steps: [loss, sum tau, blocks, sum 1/tau, correct per slot,
+        labels per slot]. correct and label_ok are [B, A, bs - 1], for slots 1..bs-1."""
         hit = correct & label_ok
         tau = 1 + hit.long().cumprod(-1).sum(-1)  # 1 + leading correct slots
         valid = anchor_valid.float()
@@ -534,6 +554,7 @@ class DFlashDraftModel(nn.Module):
             loss.detach().float()[None],
             (tau.float() * valid).sum()[None],
             valid.sum()[None],
+            (valid / tau.float()).sum()[None],
             hit.float().sum((0, 1)),
             label_ok.float().sum((0, 1)),
         ])
@@ -608,13 +629,18 @@ def serving_config_dict(config):
 
 
 def stats_to_metrics(stats, steps):
-    """Turn summed block_stats into loss, tau_hat and accuracy per slot 1..bs-1."""
+    """Turn summed block_stats into loss, tau_hat, served_tau_hat and accuracy per slot 1..bs-1.
+
+    tau_hat is the mean of tau over anchors. Served, a block at anchor a moves the next anchor
+    tau(a) tokens on, so where tau is large a server visits few anchors and where it is small
+    many: tokens per verification are about 1 / mean(1 / tau) (served_tau_hat), below tau_hat."""
     stats = stats.double().cpu()
-    n = (stats.numel() - 3) // 2
-    hits, labels = stats[3:3 + n], stats[3 + n:]
+    n = (stats.numel() - 4) // 2
+    hits, labels = stats[4:4 + n], stats[4 + n:]
     return {
         "loss": float(stats[0]) / max(steps, 1),
         "tau_hat": float(stats[1] / stats[2].clamp(min=1)),
+        "served_tau_hat": float(stats[2] / stats[3].clamp(min=1e-9)) if stats[2] > 0 else 1.0,
         "acc": [round(float(a), 4) for a in hits / labels.clamp(min=1)],
         "acc_mean": float(hits.sum() / labels.sum().clamp(min=1)),
     }

@@ -1548,6 +1548,7 @@ class Run:
             "drafter_steps_per_s": steps / dt,
             "queue_depths": [w.queue.qsize() for w in self.workers],
             "loss": m["loss"], "acc": m["acc_mean"], "acc_per_slot": m["acc"], "tau_hat": m["tau_hat"],
+            "served_tau_hat": m["served_tau_hat"],
             "lr": self.lr_for_step(step), "grad_norm": float(stats[-1]) / max(steps * W, 1),
             "peak_mem_gb": {str(d): round(torch.cuda.max_memory_allocated(d) / 2**30, 2) for d in self.cuda_devices},
         }
@@ -1562,7 +1563,7 @@ class Run:
         self.log(f"step {step}/{self.total_steps} ep {rec['epoch']:.2f} | tok/s {rec['tokens_per_s']:,.0f} "
                  f"(real {rec['real_tokens_per_s']:,.0f}, target stage {tt}) | drafter "
                  f"{rec['drafter_steps_per_s']:.2f} step/s | queues {rec['queue_depths']} | loss {m['loss']:.4f} "
-                 f"acc {m['acc_mean']:.3f} tau {m['tau_hat']:.2f} | lr {rec['lr']:.2e} gnorm {rec['grad_norm']:.3f}"
+                 f"acc {m['acc_mean']:.3f} tau {m['tau_hat']:.2f} (served {m['served_tau_hat']:.2f}) | lr {rec['lr']:.2e} gnorm {rec['grad_norm']:.3f}"
                  + (f" | peak GB {rec['peak_mem_gb']}" if rec["peak_mem_gb"] else ""))
         return rec
 
@@ -1587,10 +1588,11 @@ class Run:
             _, st = w.compute_loss(*inputs, noise)
             stats = st.float().cpu() if stats is None else stats + st.float().cpu()
         m = dm.stats_to_metrics(stats, len(self.validation))
-        self.log(f"val step {step}: loss {m['loss']:.4f} acc {m['acc_mean']:.3f} tau_hat {m['tau_hat']:.3f} on "
-                 f"{len(self.validation)} held-out rows (training tau_hat {tau_hat:.3f})")
+        self.log(f"val step {step}: loss {m['loss']:.4f} acc {m['acc_mean']:.3f} tau_hat {m['tau_hat']:.3f} (served "
+                 f"{m['served_tau_hat']:.3f}) on {len(self.validation)} held-out rows (training tau_hat {tau_hat:.3f})")
         self.metrics_file.write(json.dumps({"step": step, "val_loss": m["loss"], "val_acc": m["acc_mean"],
-                                            "val_acc_per_slot": m["acc"], "val_tau_hat": m["tau_hat"]}) + "\n")
+                                            "val_acc_per_slot": m["acc"], "val_tau_hat": m["tau_hat"],
+                                            "val_served_tau_hat": m["served_tau_hat"]}) + "\n")
         self.metrics_file.flush()
 
     def full_target(self):
@@ -1612,7 +1614,8 @@ class Run:
 
     def evaluate_now(self, step, tau_hat):
         """The real acceptance length of the current drafter (lossless speculative decoding on
-        held-out prompts) next to the training estimate tau_hat of the last log interval."""
+        held-out prompts) next to the training estimate tau_hat of the last log interval and
+        the teacher-forced figures on the target's own answers to those prompts."""
         target = self.full_target()
         dev = next(target.parameters()).device
         drafter = copy.deepcopy(self.workers[0].drafter).to(dev).eval().attach_target(target)
@@ -1620,13 +1623,15 @@ class Run:
                                  lambda m: None, self.args.chat_template_kwargs, show_progress=False)
         del drafter
         measured = report["acceptance_length"]
-        tf = report["teacher_forced_tau_hat"]
+        tf, served = report["teacher_forced_tau_hat"], report["teacher_forced_served_tau_hat"]
+        rel = lambda x: f"{(x - measured) / measured:+.1%}"
         self.log(f"eval step {step}: acceptance length {measured:.3f} measured on {len(self.eval_prompts)} held-out "
-                 f"prompts vs tau_hat {tau_hat:.3f} estimated in training ({(tau_hat - measured) / measured:+.1%}); "
-                 f"tau_hat on the target's own outputs for those prompts {tf:.3f} ({(tf - measured) / measured:+.1%}); "
-                 f"lossless {report['lossless']}")
+                 f"prompts vs tau_hat {tau_hat:.3f} estimated in training ({rel(tau_hat)}); on the target's own answers "
+                 f"to those prompts tau_hat {tf:.3f} ({rel(tf)}), served estimate {served:.3f} ({rel(served)}), "
+                 f"decoding replayed {report['teacher_forced_acceptance_length']:.3f}; lossless {report['lossless']}")
         self.metrics_file.write(json.dumps({"step": step, "eval_acceptance_length": measured, "tau_hat": tau_hat,
-                                            "teacher_forced_tau_hat": tf, "eval_lossless": report["lossless"]}) + "\n")
+                                            "teacher_forced_tau_hat": tf, "teacher_forced_served_tau_hat": served,
+                                            "eval_lossless": report["lossless"]}) + "\n")
         self.metrics_file.flush()
 
 
@@ -1963,24 +1968,26 @@ def sync(device):
 
 
 @torch.no_grad()
-def teacher_forced_tau(target, drafter, prompt_ids, generated):
-    """tau_hat as training computes it (1 + leading correct slots per block, teacher-forced),
-    but on the target's own greedy continuation, with an anchor at every generated position.
-    Returns (sum of tau over blocks, blocks). Equal in expectation to the real acceptance
-    length; a gap between it and the training tau_hat is a gap between the data and the
-    target's own outputs."""
+def teacher_forced_gains(target, drafter, prompt_ids, generated):
+    """The drafter teacher-forced on the target's own greedy continuation: (tau at every generated
+    token that has a next one, as training computes it; the gains of greedy speculative decoding
+    replayed over those taus: the first block at the first generated token, each next one where
+    the last one's gain ends). The replay is what the server measures, but for rounding and the
+    last block of an answer (its drafts past the end are not known here): a difference beyond
+    that is a difference between the drafter's training and serving paths."""
     ids = torch.cat([prompt_ids[0], torch.tensor(generated, device=prompt_ids.device)])[None]
     P, L = prompt_ids.shape[1], ids.shape[1]
     if L - P < 2:
-        return 0.0, 0
+        return [], [1] * (L - P > 0)
     with dm.capture_layer_outputs(target, drafter.target_layer_ids) as feats:
         target(ids)
-    loss_mask = torch.zeros(1, L, device=ids.device)
-    loss_mask[0, P:] = 1
-    _, stats = drafter(torch.cat(feats, -1).to(drafter.fc.weight.dtype), ids, loss_mask,
-                       torch.zeros_like(ids), torch.arange(L, device=ids.device)[None],
-                       torch.rand(1, L, device=ids.device), num_anchors=L - P - 1, attention="sdpa")
-    return float(stats[1]), int(stats[2])
+    taus = drafter.accepted_lengths(torch.cat(feats, -1).to(drafter.fc.weight.dtype), ids,
+                                    torch.arange(P, L - 1, device=ids.device)[None])[0].tolist()
+    gains, i = [], 0
+    while i + 1 < L - P:  # the output has i + 1 tokens
+        gains.append(taus[i])
+        i += taus[i]
+    return taus, gains
 
 
 @torch.no_grad()
@@ -2019,7 +2026,7 @@ def evaluate_models(target, tokenizer, drafter, prompts, device, max_new_tokens,
     seconds = {"greedy": 0.0, "drafter": 0.0, "lookup": 0.0}
     mismatches, histories = [], [[] for _ in prompts]
     generated = forwards = 0
-    tf_tau = tf_blocks = 0
+    tf_taus, tf_gains = [], []
     bar = tqdm(total=3 * sum(len(turns) for _, turns in prompts), unit="answer", desc="eval",
                disable=None if show_progress else True)
     for k in range(max(len(turns) for _, turns in prompts)):
@@ -2059,8 +2066,9 @@ def evaluate_models(target, tokenizer, drafter, prompts, device, max_new_tokens,
                     mismatches.append({"method": name, "prompt": i, "turn": k, "first_difference_at": first,
                                        "near_tie": tie, "logit_gap": gap})
                 gains[name][category] += gained
-            t, n = teacher_forced_tau(target, drafter, torch.tensor([ids[j]], device=device), reference)
-            tf_tau, tf_blocks = tf_tau + t, tf_blocks + n
+            taus, replayed = teacher_forced_gains(target, drafter, torch.tensor([ids[j]], device=device), reference)
+            tf_taus += taus
+            tf_gains += replayed
             generated += len(reference)
             forwards += 1 + len(runs["drafter"][j][1])  # prefill + one verification per block
             if not isinstance(prompts[i][1][k], list):
@@ -2073,7 +2081,11 @@ def evaluate_models(target, tokenizer, drafter, prompts, device, max_new_tokens,
         "prompt_lookup_acceptance_length": lookup, "prompt_lookup_per_category": lookup_per_category,
         "prompt_lookup_histogram": lookup_histogram,
         "tokens_per_target_forward": generated / max(forwards, 1),
-        "teacher_forced_tau_hat": tf_tau / max(tf_blocks, 1),
+        # the drafter teacher-forced on the greedy answers: tau_hat as training computes it, the
+        # served estimate from it, and real decoding replayed over it (= acceptance_length)
+        "teacher_forced_tau_hat": sum(tf_taus) / max(len(tf_taus), 1),
+        "teacher_forced_served_tau_hat": len(tf_taus) / max(sum(1 / t for t in tf_taus), 1e-9) if tf_taus else 1.0,
+        "teacher_forced_acceptance_length": sum(tf_gains) / max(len(tf_gains), 1),
         "speedup_vs_greedy": seconds["greedy"] / max(seconds["drafter"], 1e-9),
         "prompt_lookup_speedup_vs_greedy": seconds["greedy"] / max(seconds["lookup"], 1e-9),
         "greedy_s": seconds["greedy"], "speculative_s": seconds["drafter"], "prompt_lookup_s": seconds["lookup"],
@@ -2084,8 +2096,9 @@ def evaluate_models(target, tokenizer, drafter, prompts, device, max_new_tokens,
         "near_ties": sum(m["near_tie"] for m in mismatches),
     }
     log(f"eval: acceptance length {acceptance:.2f} (prompt lookup {lookup:.2f}) on {report['answers']} answers; "
-        f"histogram {histogram}; tau_hat teacher-forced on the target's own outputs "
-        f"{report['teacher_forced_tau_hat']:.2f}; speed-up over greedy {report['speedup_vs_greedy']:.2f}x "
+        f"histogram {histogram}; teacher-forced on the target's own outputs: tau_hat "
+        f"{report['teacher_forced_tau_hat']:.2f}, served estimate {report['teacher_forced_served_tau_hat']:.2f}, "
+        f"decoding replayed {report['teacher_forced_acceptance_length']:.2f}; speed-up over greedy {report['speedup_vs_greedy']:.2f}x "
         f"(prompt lookup {report['prompt_lookup_speedup_vs_greedy']:.2f}x) at batch {batch_size}; "
         f"lossless: {report['lossless']}" + (f" ({report['near_ties']} outputs part at a near-tie of the target's "
                                              "logits: rounding)" if report["near_ties"] else ""))
@@ -2583,14 +2596,23 @@ def write_plots(out_dir, log=print):
         ax[0].plot(steps, [r["loss"] for r in train])
         ax[0].set(title="training loss", xlabel="step", yscale="log")
         ax[1].plot(steps, [r["tau_hat"] for r in train], label="tau_hat (training)")
+        if "served_tau_hat" in train[-1]:
+            ax[1].plot(steps, [r.get("served_tau_hat") for r in train], "--", label="served estimate (training)")
         vals = [r for r in recs if "val_tau_hat" in r]
         if vals:
             ax[0].plot([r["step"] for r in vals], [r["val_loss"] for r in vals], "o-", label="validation")
             ax[0].legend()
             ax[1].plot([r["step"] for r in vals], [r["val_tau_hat"] for r in vals], "o-", label="tau_hat (validation)")
+            if "val_served_tau_hat" in vals[-1]:
+                ax[1].plot([r["step"] for r in vals], [r.get("val_served_tau_hat") for r in vals], "o--",
+                           label="served estimate (validation)")
+        final = os.path.join(out_dir, "final", "eval_acceptance.json")
+        if os.path.exists(final):
+            with open(final) as f:
+                evals = evals + [{"step": steps[-1], "eval_acceptance_length": json.load(f)["acceptance_length"]}]
         if evals:
-            ax[1].plot([r["step"] for r in evals], [r["eval_acceptance_length"] for r in evals], "o-",
-                       label="measured acceptance")
+            ax[1].plot([r["step"] for r in evals], [r["eval_acceptance_length"] for r in evals], "s",
+                       label="measured acceptance (held-out prompts)")
         ax[1].set(title="acceptance length", xlabel="step")
         ax[1].legend()
         slots = np.asarray([r["acc_per_slot"] for r in train])

@@ -488,3 +488,38 @@ def test_near_tie_is_rounding_at_the_scale_of_the_rows_logits():
     assert tp.near_tie(Fixed(row), [5], [1], [2], 0)[0] is True
     row[2] = 1.5
     assert tp.near_tie(Fixed(row), [5], [1], [2], 0)[0] is False
+
+
+def test_decoding_replayed_over_teacher_forced_taus_gives_the_measured_gains():
+    """Train = serve for the drafter: the taus its training path computes on the target's greedy
+    output, replayed as greedy decoding would visit them, give the gains that real speculative
+    decoding (the inference path: KV cache, draft_logits) measured, block for block, but for the
+    last block of each answer (its drafts past the end are unknown to the replay). The drafter is
+    trained briefly on the counter target so that its gains vary (1 to block size)."""
+    import train_dflash_pipeline as tp
+    from conftest import counter_target
+    torch.manual_seed(0)
+    V = 64
+    target = counter_target(V)
+    cfg = dm.make_drafter_config(target.config, mask_token_id=V - 1, num_draft_layers=1, block_size=6)
+    drafter = dm.DFlashDraftModel(cfg).float().attach_target(target)
+    opt = torch.optim.Adam([p for p in drafter.parameters() if p.requires_grad], lr=3e-3)
+    g = torch.Generator().manual_seed(0)
+    for _ in range(150):
+        ids = (torch.randint(0, V, (4, 1), generator=g) + torch.arange(32)) % V
+        with torch.no_grad(), dm.capture_layer_outputs(target, drafter.target_layer_ids) as feats:
+            target(ids)
+        loss, _ = drafter(torch.cat(feats, -1), ids, torch.ones(4, 32), torch.zeros_like(ids),
+                          torch.arange(32).expand(4, 32), torch.rand(4, 32, generator=g), num_anchors=8)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    drafter.eval()
+    prompts = [[5, 6, 7], [20, 21], [40, 41, 42, 43]]
+    measured = dm.speculative_generate(target, prompts, 30, (), drafter=drafter, batch_size=2, graph=False)
+    seen = set()
+    for p, (out, gains) in zip(prompts, measured):
+        _, replayed = tp.teacher_forced_gains(target, drafter, torch.tensor([p]), out)
+        assert replayed[:-1] == gains[:-1] and replayed[-1] <= gains[-1], (replayed, gains)
+        seen |= set(gains)
+    assert len(seen) >= 3 and max(seen) == 6, seen  # gains of several sizes, some whole blocks
