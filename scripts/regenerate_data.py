@@ -30,7 +30,8 @@ import train_dflash_pipeline as tp  # noqa: E402
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--target-model", required=True, help="the target (its tokenizer and chat template come with it)")
-    p.add_argument("--input", required=True, help="JSONL: messages or conversations")
+    p.add_argument("--input", required=True, help="JSONL: messages or conversations; or builtin:sharegpt-prompts "
+                   "(every built-in ShareGPT conversation worth regenerating) or builtin:sharegpt")
     p.add_argument("--output", required=True)
     p.add_argument("--chat-template-kwargs", default=None, help="JSON, e.g. '{\"enable_thinking\": false}'")
     p.add_argument("--max-new-tokens", type=int, default=1024)
@@ -62,7 +63,7 @@ def main(argv=None):
             [torch.device("cuda", i) for i in range(torch.cuda.device_count())] or [torch.device("cpu")])
         tokenizer = tp.load_tokenizer(args.target_model)
         make_backend = lambda progress: tp.EmbeddedBackend(args.target_model, devices, tokenizer, args, progress)  # noqa: E731
-    summary = tp.regenerate(args.input, args.output, make_backend, args.chunk_size)
+    summary = tp.regenerate(tp.builtin_data(args.input), args.output, make_backend, args.chunk_size)
     print(summary["text"])
     if summary["rejected"]:
         print(f"error: {summary['rejected']} conversations failed after {args.retries} retries; see {summary['rejects']}",

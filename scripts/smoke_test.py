@@ -101,7 +101,8 @@ def main(argv=None):
     check("data reads and tokenises", data)
 
     def target():
-        s["replicas"], s["embed"], s["head"] = tp.load_target_replicas(args.target_model, s["targets"], args.layer_ids, s["log"])
+        s["replicas"], s["embed"], s["head"] = tp.load_target_replicas(args.target_model, s["targets"], args.layer_ids,
+                                                                       s["log"], args.target_attention)
         rows = args.token_budget // args.max_length
         for r in s["replicas"]:
             out = r.features(r.synthetic_batch(rows, args.max_length))

@@ -286,16 +286,19 @@ def test_gemma_drafter_embeds_through_the_scaled_embedding():
     assert "embed_tokens.weight" not in drafter.state_dict()
 
 
-def test_gemma_target_stage_equals_the_transformers_forward(tmp_path):
-    """Features of packed documents (target stage, document mask) equal the hidden states of the
-    transformers forward of each document alone."""
+@pytest.mark.parametrize("attention,lengths", [("dense", (20, 9)), ("flex", (20, 9)), ("flex", (150, 203, 60))])
+def test_gemma_target_stage_equals_the_transformers_forward(tmp_path, attention, lengths):
+    """Features of packed documents (target stage, document mask; sliding-window layers with
+    their own) equal the hidden states of the transformers forward of each document alone. The
+    flex path at 416 tokens: tiles of 128 that are fully visible, partly and not at all."""
     target = tiny_gemma3()
     target.save_pretrained(tmp_path / "g")
     tiny_tokenizer().save_pretrained(tmp_path / "g")
     layers = [1, 3]
-    (rep,), embed, _ = tp.load_target_replicas(str(tmp_path / "g"), [torch.device("cpu")], layers, log=lambda *a: None)
+    (rep,), embed, _ = tp.load_target_replicas(str(tmp_path / "g"), [torch.device("cpu")], layers, log=lambda *a: None,
+                                               attention=attention)
     g = torch.Generator().manual_seed(0)
-    docs = [torch.randint(0, 100, (n,), generator=g) for n in (20, 9)]
+    docs = [torch.randint(0, 100, (n,), generator=g) for n in lengths]
     batch = {"input_ids": torch.cat(docs + [torch.zeros(3, dtype=torch.long)])[None],
              "doc_ids": torch.cat([torch.full((len(d),), i) for i, d in enumerate(docs)] + [torch.full((3,), -1)])[None],
              "position_ids": torch.cat([torch.arange(len(d)) for d in docs] + [torch.zeros(3, dtype=torch.long)])[None]}
@@ -315,3 +318,22 @@ def test_last_target_layer_refused(tmp_path, tiny_model_dir):
     from test_pipeline import run_cli
     r = run_cli(tmp_path, tiny_model_dir, "unused.jsonl", "--target-layer-ids", "1,5")
     assert r.returncode == 2 and "[5] are outside [0, 5)" in r.stderr and "final-normed" in r.stderr
+
+
+def test_builtin_prompts_keep_the_demo_conversations_first_then_add_the_long_ones(tmp_path, monkeypatch):
+    """builtin:sharegpt-prompts = the demo's conversations (at most 6000 characters with their
+    original replies), line for line, so rows regenerated from them keep their ids; then the
+    ones left out only for their long replies (user turns of at most 4000 characters)."""
+    def conv(user, reply, first="hi"):
+        return {"conversations": [{"from": "human", "value": first + user}, {"from": "gpt", "value": reply}]}
+    rows = [conv("a", "short"), conv("b", "x" * 7000), conv("c", "x" * 7000, first="é"), conv("d", "ok"),
+            {"conversations": [{"from": "human", "value": "u" * 4500}, {"from": "gpt", "value": "x" * 3000}]},
+            conv("e", "fine")]
+    (tmp_path / "share.json").write_text(json.dumps(rows))
+    monkeypatch.setattr(tp, "CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(tp, "package_file", lambda name: str(tmp_path / "share.json"))
+    demo = [json.loads(l) for l in open(tp.builtin_data(tp.BUILTIN_DATA))]
+    assert demo == [rows[0], rows[3], rows[5]]  # at most 6000 characters, ASCII first turn
+    prompts = [json.loads(l) for l in open(tp.builtin_data(tp.BUILTIN_PROMPTS))]
+    assert prompts == [rows[0], rows[3], rows[5], rows[1]]  # then the long reply; not é, not 4500 user chars
+    assert tp.builtin_data("my.jsonl") == "my.jsonl"

@@ -140,3 +140,20 @@ def test_machines_that_disagree_are_refused():
             p.kill()
     for out, err in outs:
         assert "refused: the machines disagree on the step to resume from: [0] on one, [4] on another" in out, err
+
+
+def test_cross_machine_buffer_is_allocated_at_warm_up_and_reused():
+    """The reduction buffer across machines (gradients + the stop vote) exists once prepare()
+    ran (a worker's warm-up, before its token budget is tried) and every step reuses it."""
+    import types
+    import train_dflash_pipeline as tp
+    sums = []
+    cluster = types.SimpleNamespace(world_size=2, rank=0, all_reduce_=lambda t: sums.append(t.data_ptr()) or t.mul_(2))
+    avg = tp.GradAverager(1, cluster)
+    grad = torch.ones(10)
+    avg.prepare(0, grad)
+    assert avg.across.shape == (11,)
+    for _ in range(2):
+        avg.average(0, grad)
+        assert torch.equal(grad, torch.ones(10))  # (2 machines' sum) / 2
+    assert sums == [avg.across.data_ptr()] * 2 and not avg.stop_agreed

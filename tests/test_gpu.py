@@ -1,4 +1,5 @@
 """GPU-only checks of the compiled, CUDA-graphed drafter step (skipped without CUDA)."""
+import copy
 import threading
 import types
 
@@ -295,3 +296,35 @@ def test_batched_decoding_graphed_equals_eager_and_is_lossless():
             if s != t:
                 first = next(n for n, (a, b) in enumerate(zip(s, t)) if a != b)
                 assert tp.near_tie(target, p, t, s, first)[0], (first, s, t)
+
+
+def test_flex_target_stage_equals_dense_graphed_and_eager():
+    """The target stage's flex path (document BlockMask) on CUDA, eager and replayed as a CUDA
+    graph with new documents in the static buffers, gives the dense path's features (bf16)."""
+    from conftest import tiny_target
+    model = tiny_target(arch="llama", dtype=torch.bfloat16, init_std=0.15, layers=4).to("cuda").requires_grad_(False)
+    dense = tp.TargetReplica(model, [1, 2], torch.device("cuda:0"), "dense")
+    flex = tp.TargetReplica(model, [1, 2], torch.device("cuda:0"), "flex")
+    g = torch.Generator().manual_seed(0)
+
+    def batch(seed):
+        g.manual_seed(seed)
+        doc = torch.zeros(2, 640, dtype=torch.long)
+        pos = torch.zeros(2, 640, dtype=torch.long)
+        for r in range(2):
+            cuts = sorted(torch.randint(1, 640, (3,), generator=g).tolist())
+            for i, (s, e) in enumerate(zip([0] + cuts, cuts + [640])):
+                doc[r, s:e], pos[r, s:e] = i, torch.arange(e - s)
+        return {"input_ids": torch.randint(0, 290, (2, 640), generator=g).cuda(), "doc_ids": doc.cuda(),
+                "position_ids": pos.cuda()}
+
+    first, second = batch(1), batch(2)
+    torch.testing.assert_close(flex.features(first), dense.features(first), rtol=2e-2, atol=2e-2)
+    flex.capture(2, 640)
+    for b in (first, second):
+        torch.testing.assert_close(flex.features(b).clone(), dense.features(b), rtol=2e-2, atol=2e-2)
+    # the decoder layers compiled (--compile-target), then captured
+    fused = tp.TargetReplica(copy.deepcopy(model), [1, 2], torch.device("cuda:0"), "flex", compile_layers=True)
+    fused.capture(2, 640)
+    for b in (first, second):
+        torch.testing.assert_close(fused.features(b).clone(), dense.features(b), rtol=2e-2, atol=2e-2)
