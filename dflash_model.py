@@ -1056,15 +1056,38 @@ def lookup_proposal(seq, max_tokens, max_ngram=3):
 
 
 class DrafterContext:
-    """The drafter's context keys/values for a BatchDecoder: per draft layer [B, kv heads,
-    slots, head dim], at the target's slots (the same kept mask decides what a block sees)."""
+    """The drafter beside a BatchDecoder: its context keys/values per draft layer [B, kv heads,
+    slots, head dim] at the target's slots (the rows' verified slots are what a block sees), and
+    its drafting step, replayed as a CUDA graph with graph=True (CUDA)."""
 
-    def __init__(self, drafter, decoder):
+    def __init__(self, drafter, decoder, graph=False):
         n, kvh, hd = kv_layout(drafter.config)
         shape = (decoder.B, kvh, decoder.S, hd)
         dt = drafter.fc.weight.dtype
         self.kv = [(torch.zeros(shape, dtype=dt, device=decoder.device), torch.zeros(shape, dtype=dt, device=decoder.device))
                    for _ in range(n)]
+        self.drafter, self.decoder = drafter, decoder
+        self.anchor = torch.zeros(decoder.B, dtype=torch.long, device=decoder.device)  # read by the captured step
+        self.use_graph, self.graph = graph and decoder.device.type == "cuda", None
+
+    def _draft(self):
+        d, bs = self.decoder, self.drafter.block_size
+        sees = torch.cat([d.verified(), torch.ones(d.B, bs, dtype=torch.bool, device=d.device)], 1)
+        return self.drafter.draft_logits(self.kv, self.anchor, d.next_pos, sdpa_attend(sees[:, None, None, :])).argmax(-1)
+
+    def draft(self, anchor):
+        """Greedy drafts [B, bs - 1] of the blocks that start with anchor [B] at each row's next
+        position."""
+        self.anchor.copy_(anchor)
+        if not self.use_graph:
+            return self._draft()
+        if self.graph is None:
+            self._draft()  # warm-up
+            self.graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(self.graph, capture_error_mode="thread_local"):
+                self.out = self._draft()
+        self.graph.replay()
+        return self.out  # overwritten by the next replay
 
     def write(self, drafter, features, positions, slots):
         """Context keys/values of the target features [B, q, F] at positions [B, q] into slots
@@ -1090,13 +1113,15 @@ def speculative_generate(model, prompts, max_new_tokens, stop_token_ids=(), draf
     results = [None] * len(prompts)
     layer_ids = drafter.target_layer_ids if drafter is not None else ()
     # a row stops before max_new_tokens verified tokens; its last step appends bs more
+    ctx = None
     for idx, decoder in row_batches(decoder_batches(model, prompts, batch_size, max_new_tokens + bs, layer_ids,
                                                     graph)):
         rows = [prompts[i] for i in idx]
         logits, feats = decoder.prefill(rows)
-        ctx = None
         if drafter is not None:
-            ctx = DrafterContext(drafter, decoder)
+            if ctx is None or ctx.decoder is not decoder:  # one per decoder: its captured step is reused
+                ctx = None
+                ctx = DrafterContext(drafter, decoder, graph)
             P = feats.shape[1]
             ctx.write(drafter, feats, (torch.arange(P, device=dev)[None] - decoder.pad[:, None]).clamp(min=0),
                       decoder.slot[:P])
@@ -1106,9 +1131,7 @@ def speculative_generate(model, prompts, max_new_tokens, stop_token_ids=(), draf
         active = [o[0] not in stop and max_new_tokens > 1 for o in outs]
         while any(active):
             if drafter is not None:  # each block sees its row's verified slots, and itself
-                sees = torch.cat([decoder.verified(), torch.ones(decoder.B, bs, dtype=torch.bool, device=dev)], 1)
-                draft = drafter.draft_logits(ctx.kv, anchor, decoder.next_pos, sdpa_attend(sees[:, None, None, :]))
-                draft = draft.argmax(-1)
+                draft = ctx.draft(anchor)
                 proposed = torch.full((decoder.B,), bs - 1, device=dev)
             else:
                 props = [lookup_proposal(p + o, bs - 1, max_ngram) if a else [] for p, o, a in zip(rows, outs, active)]
