@@ -317,3 +317,34 @@ def test_vllm_serves_the_drafter_as_our_evaluator_measures(tmp_path):
     assert serve_check.main(["--target-model", tp.BUILTIN_MODEL, "--drafter", str(run / "final"), "--num-prompts", "4",
                              "--max-new-tokens", "32", "--device", "cpu", "--vllm-python", python,
                              "--extra", "--dtype float32 --max-model-len 2048"]) == 0
+
+
+def test_recipe_regenerate_train_evaluate_from_the_command_line(tmp_path, tiny_model_dir):
+    """The recipe as a user runs it, three commands: the target rewrites the replies, a drafter
+    trains on them (held-out check, final evaluation, plots), the evaluator measures it against
+    prompt lookup on held-out prompts and writes its report."""
+    from test_pipeline import pipeline_args
+    src = write_jsonl(tmp_path / "in.jsonl", chat_rows(40))
+    prompts = write_jsonl(tmp_path / "prompts.jsonl", [{"prompt": "the cat sat", "category": "x"},
+                                                        {"turns": ["a dog ran", "then?"], "category": "y"}])
+    regen = tmp_path / "regen.jsonl"
+    run = lambda *cmd: subprocess.run([sys.executable, *cmd], capture_output=True, text=True, timeout=600, cwd=ROOT)
+    r = run("scripts/regenerate_data.py", "--target-model", tiny_model_dir, "--input", src, "--output", str(regen),
+            "--gpus", "cpu", "--batch-size", "16", "--max-new-tokens", "24")
+    assert r.returncode == 0, r.stderr
+    assert len(regen.read_text().splitlines()) == 40 and "regenerated 40 conversations" in r.stdout
+    out = tmp_path / "run"
+    r = run("train_dflash_pipeline.py", *pipeline_args(out, tiny_model_dir, str(regen), "--target-gpus", "cpu",
+                                                        "--drafter-gpus", "cpu", "--max-steps", "12", "--log-interval", "4",
+                                                        "--val-fraction", "0.1", "--eval-prompts", "2",
+                                                        "--eval-data", prompts, "--eval-max-new-tokens", "12"))
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    assert "val step 12" in r.stdout and "eval: acceptance length" in r.stdout and "(prompt lookup" in r.stdout
+    for plot in ("training.png", "acceptance.png"):
+        assert os.path.getsize(out / plot) > 10_000
+    r = run("scripts/eval_acceptance.py", "--target-model", tiny_model_dir, "--drafter", str(out / "final"),
+            "--prompts", prompts, "--device", "cpu", "--max-new-tokens", "12")
+    assert r.returncode == 0, r.stderr[-2000:]
+    report = json.loads((out / "final" / "eval_acceptance.json").read_text())
+    assert report["answers"] == 3 and report["acceptance_length"] >= 1 and report["prompt_lookup_acceptance_length"] >= 1
+    assert report["lossless"] and report["teacher_forced_acceptance_length"] >= 1
