@@ -545,8 +545,8 @@ class DFlashDraftModel(nn.Module):
 
     @staticmethod
     def block_stats(loss, correct, label_ok, anchor_valid):
-        """Sums that add up across steps: [loss, sum tau, blocks, sum 1/tau, correct per slot,
-        labels per slot]. correct and label_ok are [B, A, bs - 1], for slots 1..bs-1."""
+        """Sums that add up across steps: [loss, sum tau, blocks, correct per slot, labels per slot].
+        correct and label_ok are [B, A, bs - 1], for slots 1..bs-1."""
         hit = correct & label_ok
         tau = 1 + hit.long().cumprod(-1).sum(-1)  # 1 + leading correct slots
         valid = anchor_valid.float()
@@ -554,7 +554,6 @@ class DFlashDraftModel(nn.Module):
             loss.detach().float()[None],
             (tau.float() * valid).sum()[None],
             valid.sum()[None],
-            (valid / tau.float()).sum()[None],
             hit.float().sum((0, 1)),
             label_ok.float().sum((0, 1)),
         ])
@@ -629,18 +628,13 @@ def serving_config_dict(config):
 
 
 def stats_to_metrics(stats, steps):
-    """Turn summed block_stats into loss, tau_hat, served_tau_hat and accuracy per slot 1..bs-1.
-
-    tau_hat is the mean of tau over anchors. Served, a block at anchor a moves the next anchor
-    tau(a) tokens on, so where tau is large a server visits few anchors and where it is small
-    many: tokens per verification are about 1 / mean(1 / tau) (served_tau_hat), below tau_hat."""
+    """Turn summed block_stats into loss, tau_hat and accuracy per slot 1..bs-1."""
     stats = stats.double().cpu()
-    n = (stats.numel() - 4) // 2
-    hits, labels = stats[4:4 + n], stats[4 + n:]
+    n = (stats.numel() - 3) // 2
+    hits, labels = stats[3:3 + n], stats[3 + n:]
     return {
         "loss": float(stats[0]) / max(steps, 1),
         "tau_hat": float(stats[1] / stats[2].clamp(min=1)),
-        "served_tau_hat": float(stats[2] / stats[3].clamp(min=1e-9)) if stats[2] > 0 else 1.0,
         "acc": [round(float(a), 4) for a in hits / labels.clamp(min=1)],
         "acc_mean": float(hits.sum() / labels.sum().clamp(min=1)),
     }

@@ -1624,7 +1624,6 @@ class Run:
             "drafter_steps_per_s": steps / dt,
             "queue_depths": [w.queue.qsize() for w in self.workers],
             "loss": m["loss"], "acc": m["acc_mean"], "acc_per_slot": m["acc"], "tau_hat": m["tau_hat"],
-            "served_tau_hat": m["served_tau_hat"],
             "lr": self.lr_for_step(step), "grad_norm": float(stats[-1]) / max(steps * W, 1),
             "peak_mem_gb": {str(d): round(torch.cuda.max_memory_allocated(d) / 2**30, 2) for d in self.cuda_devices},
         }
@@ -1639,7 +1638,7 @@ class Run:
         self.log(f"step {step}/{self.total_steps} ep {rec['epoch']:.2f} | tok/s {rec['tokens_per_s']:,.0f} "
                  f"(real {rec['real_tokens_per_s']:,.0f}, target stage {tt}) | drafter "
                  f"{rec['drafter_steps_per_s']:.2f} step/s | queues {rec['queue_depths']} | loss {m['loss']:.4f} "
-                 f"acc {m['acc_mean']:.3f} tau {m['tau_hat']:.2f} (served {m['served_tau_hat']:.2f}) | lr {rec['lr']:.2e} gnorm {rec['grad_norm']:.3f}"
+                 f"acc {m['acc_mean']:.3f} tau {m['tau_hat']:.2f} | lr {rec['lr']:.2e} gnorm {rec['grad_norm']:.3f}"
                  + (f" | peak GB {rec['peak_mem_gb']}" if rec["peak_mem_gb"] else ""))
         return rec
 
@@ -1664,11 +1663,10 @@ class Run:
             _, st = w.compute_loss(*inputs, noise)
             stats = st.float().cpu() if stats is None else stats + st.float().cpu()
         m = dm.stats_to_metrics(stats, len(self.validation))
-        self.log(f"val step {step}: loss {m['loss']:.4f} acc {m['acc_mean']:.3f} tau_hat {m['tau_hat']:.3f} (served "
-                 f"{m['served_tau_hat']:.3f}) on {len(self.validation)} held-out rows (training tau_hat {tau_hat:.3f})")
+        self.log(f"val step {step}: loss {m['loss']:.4f} acc {m['acc_mean']:.3f} tau_hat {m['tau_hat']:.3f} on "
+                 f"{len(self.validation)} held-out rows (training tau_hat {tau_hat:.3f})")
         self.metrics_file.write(json.dumps({"step": step, "val_loss": m["loss"], "val_acc": m["acc_mean"],
-                                            "val_acc_per_slot": m["acc"], "val_tau_hat": m["tau_hat"],
-                                            "val_served_tau_hat": m["served_tau_hat"]}) + "\n")
+                                            "val_acc_per_slot": m["acc"], "val_tau_hat": m["tau_hat"]}) + "\n")
         self.metrics_file.flush()
 
     def full_target(self):
@@ -1699,14 +1697,14 @@ class Run:
                                  lambda m: None, self.args.chat_template_kwargs, show_progress=False)
         del drafter
         measured = report["acceptance_length"]
-        tf, served = report["teacher_forced_tau_hat"], report["teacher_forced_served_tau_hat"]
+        tf = report["teacher_forced_tau_hat"]
         rel = lambda x: f"{(x - measured) / measured:+.1%}"
         self.log(f"eval step {step}: acceptance length {measured:.3f} measured on {len(self.eval_prompts)} held-out "
                  f"prompts vs tau_hat {tau_hat:.3f} estimated in training ({rel(tau_hat)}); on the target's own answers "
-                 f"to those prompts tau_hat {tf:.3f} ({rel(tf)}), served estimate {served:.3f} ({rel(served)}), "
+                 f"to those prompts tau_hat {tf:.3f} ({rel(tf)}), "
                  f"decoding replayed {report['teacher_forced_acceptance_length']:.3f}; lossless {report['lossless']}")
         self.metrics_file.write(json.dumps({"step": step, "eval_acceptance_length": measured, "tau_hat": tau_hat,
-                                            "teacher_forced_tau_hat": tf, "teacher_forced_served_tau_hat": served,
+                                            "teacher_forced_tau_hat": tf,
                                             "eval_lossless": report["lossless"]}) + "\n")
         self.metrics_file.flush()
 
@@ -2157,10 +2155,9 @@ def evaluate_models(target, tokenizer, drafter, prompts, device, max_new_tokens,
         "prompt_lookup_acceptance_length": lookup, "prompt_lookup_per_category": lookup_per_category,
         "prompt_lookup_histogram": lookup_histogram,
         "tokens_per_target_forward": generated / max(forwards, 1),
-        # the drafter teacher-forced on the greedy answers: tau_hat as training computes it, the
-        # served estimate from it, and real decoding replayed over it (= acceptance_length)
+        # the drafter teacher-forced on the greedy answers: tau_hat as training computes it, and
+        # real decoding replayed over its taus (= acceptance_length but for the answers' last blocks)
         "teacher_forced_tau_hat": sum(tf_taus) / max(len(tf_taus), 1),
-        "teacher_forced_served_tau_hat": len(tf_taus) / max(sum(1 / t for t in tf_taus), 1e-9) if tf_taus else 1.0,
         "teacher_forced_acceptance_length": sum(tf_gains) / max(len(tf_gains), 1),
         "speedup_vs_greedy": seconds["greedy"] / max(seconds["drafter"], 1e-9),
         "prompt_lookup_speedup_vs_greedy": seconds["greedy"] / max(seconds["lookup"], 1e-9),
@@ -2173,7 +2170,7 @@ def evaluate_models(target, tokenizer, drafter, prompts, device, max_new_tokens,
     }
     log(f"eval: acceptance length {acceptance:.2f} (prompt lookup {lookup:.2f}) on {report['answers']} answers; "
         f"histogram {histogram}; teacher-forced on the target's own outputs: tau_hat "
-        f"{report['teacher_forced_tau_hat']:.2f}, served estimate {report['teacher_forced_served_tau_hat']:.2f}, "
+        f"{report['teacher_forced_tau_hat']:.2f}, "
         f"decoding replayed {report['teacher_forced_acceptance_length']:.2f}; speed-up over greedy {report['speedup_vs_greedy']:.2f}x "
         f"(prompt lookup {report['prompt_lookup_speedup_vs_greedy']:.2f}x) at batch {batch_size}; "
         f"lossless: {report['lossless']}" + (f" ({report['near_ties']} outputs part at a near-tie of the target's "
@@ -2699,16 +2696,11 @@ def write_plots(out_dir, log=print):
         ax[0].plot(steps, [r["loss"] for r in train])
         ax[0].set(title="training loss", xlabel="step", yscale="log")
         ax[1].plot(steps, [r["tau_hat"] for r in train], label="tau_hat (training)")
-        if "served_tau_hat" in train[-1]:
-            ax[1].plot(steps, [r.get("served_tau_hat") for r in train], "--", label="served estimate (training)")
         vals = [r for r in recs if "val_tau_hat" in r]
         if vals:
             ax[0].plot([r["step"] for r in vals], [r["val_loss"] for r in vals], "o-", label="validation")
             ax[0].legend()
             ax[1].plot([r["step"] for r in vals], [r["val_tau_hat"] for r in vals], "o-", label="tau_hat (validation)")
-            if "val_served_tau_hat" in vals[-1]:
-                ax[1].plot([r["step"] for r in vals], [r.get("val_served_tau_hat") for r in vals], "o--",
-                           label="served estimate (validation)")
         final = os.path.join(out_dir, "final", "eval_acceptance.json")
         if os.path.exists(final):
             with open(final) as f:
