@@ -2353,8 +2353,9 @@ def regenerated_builtin_data(args, log):
     regen_args = argparse.Namespace(chat_template_kwargs=args.chat_template_kwargs, max_new_tokens=args.regen_max_new_tokens,
                                     batch_size=256, temperature=0.0, top_p=1.0, seed=args.seed)
     tokenizer = load_tokenizer(args.target_model)
+    gpus = [torch.device("cuda", i) for i in range(torch.cuda.device_count())]  # one replica each
     summary = regenerate(builtin_data_file(None), out, lambda progress: EmbeddedBackend(
-        args.target_model, [torch.device("cuda", 0)], tokenizer, regen_args, progress), 2048, log, "demo: regenerating")
+        args.target_model, gpus, tokenizer, regen_args, progress), 2048, log, "demo: regenerating")
     log(f"demo: {summary['text']}")
     torch.cuda.empty_cache()  # the regenerating replica is gone: its cached blocks go too
     open(done, "w").close()
