@@ -10,6 +10,7 @@ never stored in the drafter's checkpoint.
 Read top to bottom: config -> layers -> model -> training objective -> inference -> checkpoint.
 """
 
+import collections
 import copy
 import functools
 import inspect
@@ -796,7 +797,8 @@ class BatchDecoder:
         self.cache = _slot_cache_class()(model.config, batch, slots, p.dtype, p.device)
         self.layer_ids, self.kw = list(layer_ids), cache_kwarg(model)
         self.use_graph = graph and p.device.type == "cuda"
-        self.attention = _register_grouped_attention() if grouped else None
+        self.attention = attention_implementation(
+            model, _register_grouped_attention() if grouped else model.config._attn_implementation)
         self.prefill_elements = prefill_elements  # rows x prompt x slots per prefill chunk (mask memory)
         self.graphs = {}
         # Per-row state, updated in place: a captured step reads these buffers where they are.
@@ -806,8 +808,7 @@ class BatchDecoder:
 
     def _forward(self, ids, positions, slots, allowed, last_only=False):
         self.cache.write_slots = slots
-        with capture_layer_outputs(self.model, self.layer_ids) as feats, \
-                attention_implementation(self.model, self.attention or self.model.config._attn_implementation):
+        with capture_layer_outputs(self.model, self.layer_ids) as feats, self.attention:
             # last_only: logits of the last position only (a prefill's [rows, P, vocab] would not fit)
             logits = self.model(input_ids=ids, position_ids=positions, attention_mask=additive_mask(allowed, self.dtype),
                                 use_cache=True, logits_to_keep=1 if last_only else 0, **{self.kw: self.cache}).logits
@@ -829,7 +830,7 @@ class BatchDecoder:
         for r, p in enumerate(prompts):
             ids[r, P - len(p):] = torch.as_tensor(p)
         pad = (P - lengths).to(self.device)
-        pos = (torch.arange(P, device=self.device)[None] - pad[:, None]).clamp(min=0)
+        pos = self.prompt_positions(P, pad)
         ids = ids.to(self.device)
         # every row at once into the cache itself; some rows into a cache of their own, copied in after
         whole = list(rows) == list(range(self.B))
@@ -860,6 +861,15 @@ class BatchDecoder:
         main.length = max(main.length, P)
         return torch.cat(logits), (torch.cat(feats) if self.layer_ids else None)
 
+    def prompt_positions(self, P, pad=None):
+        """[rows, P]: the positions of left-padded prompts of P slots (padding at position 0)."""
+        pad = self.pad if pad is None else pad
+        return (torch.arange(P, device=self.device)[None] - pad[:, None]).clamp(min=0)
+
+    def release(self):
+        """Lets go of the cache and the captured steps (the next decoder's memory)."""
+        self.cache, self.graphs = None, {}
+
     def verified(self):
         """[B, S]: the slots of each row's verified tokens."""
         return (self.slot[None] >= self.pad[:, None]) & (self.slot[None] < (self.pad + self.next_pos)[:, None])
@@ -876,7 +886,6 @@ class BatchDecoder:
         [B, q, F] or None). Nothing is kept until advance(). The caller keeps every row within the
         cache: pad + verified tokens + q <= slots."""
         q = ids.shape[1]
-        self.last_q = q
         if not self.use_graph:
             return self._step_eager(ids)
         if q not in self.graphs:
@@ -954,8 +963,10 @@ def decoder_batches(model, prompts, batch_size, new_slots, layer_ids=(), graph=T
             groups[-1][0].extend(idx)
         else:
             groups.append((list(idx), rows, slots))
+    decoder = None
     for idx, rows, slots in groups:
-        decoder = None
+        if decoder is not None:  # the caller still holds it: its memory goes before the next is allocated
+            decoder.release()
         decoder = BatchDecoder(model, rows, slots, layer_ids, graph, grouped=grouped)
         yield idx, decoder
 
@@ -991,8 +1002,8 @@ def generate(model, prompts, max_new_tokens, stop_token_ids=(), batch_size=64, t
         # Rows run continuously: every 16 steps (one host sync) the finished rows hand in their
         # outputs and take the group's next prompts, so the batch stays full while replies end
         # at different lengths.
-        B, queue = decoder.B, list(group)
-        owner = [queue.pop(0) if queue else None for _ in range(B)]  # the prompt each row decodes
+        B, queue = decoder.B, collections.deque(group)
+        owner = [queue.popleft() if queue else None for _ in range(B)]  # the prompt each row decodes
         logits, _ = decoder.prefill([prompts[i] for i in owner if i is not None])
         out = torch.zeros(B, max_new_tokens, dtype=torch.long, device=dev)
         count = torch.zeros(B, dtype=torch.long, device=dev)  # tokens each row has generated
@@ -1020,11 +1031,10 @@ def generate(model, prompts, max_new_tokens, stop_token_ids=(), batch_size=64, t
                 refill = finished[:len(queue)]
                 if refill:
                     for r in refill:
-                        owner[r] = queue.pop(0)
+                        owner[r] = queue.popleft()
                     lg, _ = decoder.prefill([prompts[owner[r]] for r in refill], rows=refill)
                     r_t = torch.as_tensor(refill, device=dev)
                     count[r_t], done[r_t] = 0, False
-                    tok = tok.clone()
                     tok[r_t] = pick_tokens(lg, temperature, top_p, gen)
                     record(tok, torch.isin(rows, r_t))  # the others have recorded theirs
                 if all(o is None for o in owner):
@@ -1083,10 +1093,11 @@ class DrafterContext:
         self.graph.replay()
         return self.out  # overwritten by the next replay
 
-    def write(self, drafter, features, positions, slots):
+    def write(self, features, positions, slots):
         """Context keys/values of the target features [B, q, F] at positions [B, q] into slots
         ([q], or [B, q] per row)."""
-        for (k, v), (nk, nv) in zip(self.kv, drafter.context_kv(features.to(drafter.fc.weight.dtype), positions)):
+        d = self.drafter
+        for (k, v), (nk, nv) in zip(self.kv, d.context_kv(features.to(d.fc.weight.dtype), positions)):
             write_slots_(k, slots, nk)
             write_slots_(v, slots, nv)
 
@@ -1117,16 +1128,15 @@ def speculative_generate(model, prompts, max_new_tokens, stop_token_ids=(), draf
                 ctx = None
                 ctx = DrafterContext(drafter, decoder, graph)
             P = feats.shape[1]
-            ctx.write(drafter, feats, (torch.arange(P, device=dev)[None] - decoder.pad[:, None]).clamp(min=0),
-                      decoder.slot[:P])
+            ctx.write(feats, decoder.prompt_positions(P), decoder.slot[:P])
         anchor = logits.argmax(-1)
         outs = [[int(a)] for a in anchor.tolist()[:len(rows)]]
         gained = [[] for _ in rows]
         active = [o[0] not in stop and max_new_tokens > 1 for o in outs]
+        proposed = torch.full((decoder.B,), bs - 1, device=dev)  # a drafter proposes a whole block
         while any(active):
             if drafter is not None:  # each block sees its row's verified slots, and itself
                 draft = ctx.draft(anchor)
-                proposed = torch.full((decoder.B,), bs - 1, device=dev)
             else:
                 props = [lookup_proposal(p + o, bs - 1, max_ngram) if a else [] for p, o, a in zip(rows, outs, active)]
                 props += [[]] * (decoder.B - len(props))
@@ -1137,15 +1147,16 @@ def speculative_generate(model, prompts, max_new_tokens, stop_token_ids=(), draf
             pred = logits.argmax(-1)  # [B, bs]
             m = (draft == pred[:, :-1]).long().cumprod(-1).sum(-1).minimum(proposed)
             if ctx is not None:  # all bs slots: those not kept are masked out and written over later
-                ctx.write(drafter, feats, block_pos, decoder.pad[:, None] + block_pos)
+                ctx.write(feats, block_pos, decoder.pad[:, None] + block_pos)
             live = torch.tensor(active + [False] * (decoder.B - len(active)), device=dev)
             decoder.advance((m + 1) * live)  # the block's first token and its m accepted drafts; finished rows stay
             anchor = pred.gather(1, m[:, None]).squeeze(1)
-            m_host, draft_host, anchor_host = m.tolist(), draft.tolist(), anchor.tolist()
+            host = torch.cat([draft, m[:, None], anchor[:, None]], 1).tolist()  # one copy per step
             for r in range(len(rows)):
                 if not active[r]:
                     continue
-                new = draft_host[r][:m_host[r]] + [anchor_host[r]]
+                *row_draft, m_r, anchor_r = host[r]
+                new = row_draft[:m_r] + [anchor_r]
                 gained[r].append(len(new))
                 for t in new:
                     outs[r].append(t)
