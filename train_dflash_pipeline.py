@@ -663,41 +663,42 @@ def prepare_data(args, tokenizer, vocab_size, log):
 # -----------------------------------------------------------------------------
 # Target stage: frozen replicas, only as deep as the deepest captured layer, no LM head
 
+def document_visible(q_idx, kv_idx, q_doc, kv_doc, sliding_window=None):
+    """The target stage's attention rule: a query sees keys at or before it in its own document
+    (packed documents are independent); with sliding_window, only keys fewer than that many
+    positions back (transformers' sliding-attention layers). One rule, three forms below."""
+    seen = (kv_idx <= q_idx) & (q_doc == kv_doc)
+    return seen & (q_idx - kv_idx < sliding_window) if sliding_window is not None else seen
+
+
 def document_causal_mask(doc_ids, dtype, sliding_window=None):
-    """Additive [R, 1, L, L] mask: causal and within one document (packed documents are
-    independent); with sliding_window, keys fewer than that many positions back only (the rule
-    of transformers' sliding-attention layers). A finite minimum keeps padding rows free of NaN."""
-    L = doc_ids.shape[1]
-    causal = torch.ones(L, L, dtype=torch.bool, device=doc_ids.device).tril()
-    if sliding_window is not None:
-        causal = causal & ~torch.ones_like(causal).tril(-sliding_window)
-    allowed = causal & (doc_ids[:, :, None] == doc_ids[:, None, :])
+    """document_visible as an additive [R, 1, L, L] mask. A finite minimum keeps padding rows
+    free of NaN."""
+    pos = torch.arange(doc_ids.shape[1], device=doc_ids.device)
+    allowed = document_visible(pos[:, None], pos[None, :], doc_ids[:, :, None], doc_ids[:, None, :], sliding_window)
     mask = torch.zeros(allowed.shape, dtype=dtype, device=doc_ids.device)
     return mask.masked_fill_(~allowed, torch.finfo(dtype).min)[:, None]
 
 
 def document_block_mask(doc_ids, sliding_window=None, tile=128):
-    """The same rule as document_causal_mask, as flex_attention's BlockMask: tiles of
-    tile x tile (query, key) pairs are classified once per batch as fully visible (computed
-    without the rule), partly (the rule evaluated inside the kernel) or not at all (skipped),
-    so no layer reads an [R, L, L] mask."""
+    """document_visible as flex_attention's BlockMask: tiles of tile x tile (query, key) pairs
+    are classified once per batch as fully visible (computed without the rule), partly (the rule
+    evaluated inside the kernel) or not at all (skipped), so no layer reads an [R, L, L] mask."""
     from torch.nn.attention.flex_attention import BlockMask
     R, L = doc_ids.shape
     n = -(-L // tile)
     pos = torch.arange(n * tile, device=doc_ids.device)
     docs = F.pad(doc_ids, (0, n * tile - L), value=-1)
-    seen = (pos[None, :] <= pos[:, None]) & (pos[:, None] < L)  # [q, k], keys at or before the query
-    if sliding_window is not None:
-        seen = seen & (pos[:, None] - pos[None, :] < sliding_window)
-    seen = seen & (docs[:, :, None] == docs[:, None, :])  # [R, q, k]
+    seen = document_visible(pos[:, None], pos[None, :], docs[:, :, None], docs[:, None, :], sliding_window)
+    seen = seen & (pos[:, None] < L)  # [R, q, k]; padded queries see nothing
     pairs = seen.view(R, n, tile, n, tile).sum((2, 4), dtype=torch.int32)[:, None]  # [R, 1, n, n]
     full = pairs == tile * tile
     kv_num, kv_idx = dm.ordered_blocks((pairs > 0) & ~full)
     full_num, full_idx = dm.ordered_blocks(full)
 
     def mask_mod(b, h, q_idx, kv_idx):
-        ok = (kv_idx <= q_idx) & (doc_ids[b, q_idx.clamp(max=L - 1)] == doc_ids[b, kv_idx.clamp(max=L - 1)])
-        return ok & (q_idx - kv_idx < sliding_window) if sliding_window is not None else ok
+        return document_visible(q_idx, kv_idx, doc_ids[b, q_idx.clamp(max=L - 1)],
+                                doc_ids[b, kv_idx.clamp(max=L - 1)], sliding_window)
 
     return BlockMask.from_kv_blocks(kv_num, kv_idx, full_num, full_idx, BLOCK_SIZE=(tile, tile), mask_mod=mask_mod,
                                     seq_lengths=(L, L), compute_q_blocks=False)
@@ -735,27 +736,41 @@ class TargetReplica:
         # Targets with sliding-window layers (Gemma 3) take one mask per layer type.
         sliding = "sliding_attention" in (getattr(tc, "layer_types", None) or [])
         self.sliding_window = getattr(tc, "sliding_window", None) if sliding else None
-        # dense: transformers' SDPA under an additive [R, 1, L, L] mask; flex: flex_attention
-        # under a document BlockMask (empty tiles skipped, full ones computed without a mask)
-        self.attention = attention
-        if compile_layers:  # inductor fuses each layer's elementwise work; one graph serves every layer
-            for layer in dm.decoder_layers(model):
-                layer.compile(dynamic=False)
+        self.own_attention = model.config._attn_implementation
+        self.set_attention(attention)
+        if compile_layers:
+            self.set_compiled_layers(True)
         self.graph, self.static_in, self.static_out = None, None, None
+
+    def set_attention(self, attention):
+        """dense: the model's own attention (SDPA) under an additive [R, 1, L, L] mask; flex:
+        flex_attention under a document BlockMask (empty tiles skipped, full ones computed
+        without a mask). A captured forward keeps the attention it was captured with."""
+        self.attention = attention
+        self.use_attention = dm.attention_implementation(
+            self.model, _register_flex_target_attention() if attention == "flex" else self.own_attention)
+
+    def set_compiled_layers(self, on):
+        """Each decoder layer compiled by inductor (its elementwise work fused; one graph serves
+        every layer), or back to the plain layers."""
+        for layer in dm.decoder_layers(self.model):
+            if on:
+                layer.compile(dynamic=False)
+            else:
+                layer._compiled_call_impl = None  # what nn.Module.compile set
+
+    def mask(self, doc_ids, sliding_window=None):
+        if self.attention == "flex":
+            return document_block_mask(doc_ids, sliding_window)
+        return document_causal_mask(doc_ids, self.dtype, sliding_window)
 
     def forward(self, input_ids, position_ids, doc_ids):
         """Concatenated outputs of the captured layers, [R, L, n*H]."""
-        if self.attention == "flex":
-            make_mask, implementation = document_block_mask, _register_flex_target_attention()
-        else:
-            make_mask = lambda docs, window=None: document_causal_mask(docs, self.dtype, window)
-            implementation = self.model.config._attn_implementation
-        mask = make_mask(doc_ids)
+        mask = self.mask(doc_ids)
         if self.sliding_window is not None:
-            mask = {"full_attention": mask, "sliding_attention": make_mask(doc_ids, self.sliding_window)}
+            mask = {"full_attention": mask, "sliding_attention": self.mask(doc_ids, self.sliding_window)}
         base = getattr(self.model, self.model.base_model_prefix)
-        with dm.capture_layer_outputs(self.model, self.layer_ids) as outs, \
-                dm.attention_implementation(self.model, implementation):
+        with dm.capture_layer_outputs(self.model, self.layer_ids) as outs, self.use_attention:
             base(input_ids=input_ids, attention_mask=mask, position_ids=position_ids, use_cache=False)
         return torch.cat(outs, dim=-1)
 

@@ -231,7 +231,7 @@ def target_batch_times(a, replica, report):
     out = {}
     for attention in ("dense", "flex"):
         replica.drop_capture()
-        replica.attention = attention
+        replica.set_attention(attention)
         name = "" if attention == "dense" else "flex "
         t = time_cuda(lambda: replica.features(batch), a.iters, replica.device)
         out[f"{name}eager"] = t
@@ -243,17 +243,15 @@ def target_batch_times(a, replica, report):
     replica.drop_capture()
     # flex with the decoder layers compiled (--compile-target), then back to plain layers
     t0 = time.perf_counter()
-    for layer in dm.decoder_layers(replica.model):
-        layer.compile(dynamic=False)
+    replica.set_compiled_layers(True)
     replica.capture(a.rows, a.max_length)
     report(f"target compiled layers: compiled and captured in {time.perf_counter() - t0:.0f}s")
     t = time_cuda(lambda: replica.features(batch), a.iters, replica.device)
     out["flex compiled graph"] = t
     report(f"target flex compiled graph: {t * 1e3:8.1f} ms/batch")
     replica.drop_capture()
-    for layer in dm.decoder_layers(replica.model):
-        layer._compiled_call_impl = None
-    replica.attention = a.target_attention
+    replica.set_compiled_layers(False)
+    replica.set_attention(a.target_attention)
     return out
 
 
