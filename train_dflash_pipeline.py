@@ -1118,7 +1118,7 @@ class DrafterWorker:
             else self.compute_loss
         self.graphs, self.static, self.static_out = None, None, None
         self.stats, self.losses, self.steps_done = None, [], 0
-        self.clock = StageClock()  # busy time of the steps (the split advice)
+        self.clock = StageClock()  # busy time of the first steps, for the split advice
         self.ready = threading.Event()
         self.thread = threading.Thread(target=self.main, name=f"drafter-{rank}", daemon=True)
 
@@ -1294,9 +1294,12 @@ class DrafterWorker:
                     self.global_rank == self.averager.cluster.world_size * self.averager.num_workers - 1:
                 # tests: the last worker of all (another machine's, over several) fails here
                 raise RuntimeError(f"fault injected at step {step}")
-            self.clock.start(self.device)
+            clock = self.clock  # timed until the split advice is given
+            if clock is not None:
+                clock.start(self.device)
             loss, stats = self.train_step(step, batch)
-            self.clock.stop(self.device)
+            if clock is not None:
+                clock.stop(self.device)
             self.stats = stats if self.stats is None else self.stats + stats
             self.losses.append(loss)
             self.steps_done = step
@@ -1548,7 +1551,6 @@ class Run:
         self.metrics_file = open(os.path.join(args.output_dir, "metrics.jsonl"), "a") if self.cluster.is_main else None
         self.last_log = (time.perf_counter(), plan.start_step)
         self.target_clock, self.target_batches_fed, self.target_logged = StageClock(), 0, (0.0, 0)
-        self.advised = False  # the split advice is logged once, after the first measured steps
         self.eval_prompts, self.tokenizer, self.eval_target = [], None, None  # for --eval-interval
         self.validation = []  # held-out rows, with their target features (set by run_pipeline)
 
@@ -1658,10 +1660,14 @@ class Run:
         return rec
 
     def advise_split(self, target_s, target_n):
-        drafter = [w.clock.total() for w in self.workers]
-        if self.advised or target_n < 2 or min(n for _, n in drafter) < 2:
+        """Logs split_advice once both stages have timed two batches; then the workers stop timing."""
+        if self.workers[0].clock is None or target_n < 2:  # given already, or too early
             return
-        self.advised = True
+        drafter = [w.clock.total() for w in self.workers]
+        if min(n for _, n in drafter) < 2:
+            return
+        for w in self.workers:
+            w.clock = None
         advice = split_advice(target_s / target_n, max(s / n for s, n in drafter), self.target_devices,
                               [w.device for w in self.workers], self.args.token_budget)
         self.log(advice["line"])
