@@ -2523,8 +2523,6 @@ def choose_mask_token_id(tokenizer, vocab_size, corpus, explicit, model_path, ch
 
 
 def resolve_data_paths(patterns):
-    if patterns == [DEFAULT_DATA]:
-        return [builtin_data_file()]
     return expand_data_paths([builtin_data(p) for p in patterns])
 
 
@@ -2709,6 +2707,11 @@ def write_plots(out_dir, log=print):
         return []
     with open(os.path.join(out_dir, "metrics.jsonl")) as f:
         recs = [json.loads(line) for line in f if line.strip()]
+    report_path = os.path.join(out_dir, "final", "eval_acceptance.json")
+    final = None
+    if os.path.exists(report_path):
+        with open(report_path) as f:
+            final = json.load(f)
     train = [r for r in recs if "loss" in r]
     evals = [r for r in recs if "eval_acceptance_length" in r]
     written = []
@@ -2723,10 +2726,8 @@ def write_plots(out_dir, log=print):
             ax[0].plot([r["step"] for r in vals], [r["val_loss"] for r in vals], "o-", label="validation")
             ax[0].legend()
             ax[1].plot([r["step"] for r in vals], [r["val_tau_hat"] for r in vals], "o-", label="tau_hat (validation)")
-        final = os.path.join(out_dir, "final", "eval_acceptance.json")
-        if os.path.exists(final):
-            with open(final) as f:
-                evals = evals + [{"step": steps[-1], "eval_acceptance_length": json.load(f)["acceptance_length"]}]
+        if final is not None:
+            evals = evals + [{"step": steps[-1], "eval_acceptance_length": final["acceptance_length"]}]
         if evals:
             ax[1].plot([r["step"] for r in evals], [r["eval_acceptance_length"] for r in evals], "s",
                        label="measured acceptance (held-out prompts)")
@@ -2741,15 +2742,12 @@ def write_plots(out_dir, log=print):
         written.append(os.path.join(out_dir, "training.png"))
         fig.savefig(written[-1], dpi=90)
         plt.close(fig)
-    report_path = os.path.join(out_dir, "final", "eval_acceptance.json")
-    if os.path.exists(report_path):
-        with open(report_path) as f:
-            rep_ = json.load(f)
+    if final is not None:
         fig, ax = plt.subplots(figsize=(8, 4.5))
-        for key, name, shift in (("histogram", f"drafter (mean {rep_['acceptance_length']:.2f})", -0.2),
+        for key, name, shift in (("histogram", f"drafter (mean {final['acceptance_length']:.2f})", -0.2),
                                  ("prompt_lookup_histogram",
-                                  f"prompt lookup (mean {rep_['prompt_lookup_acceptance_length']:.2f})", 0.2)):
-            h = {int(k): v for k, v in rep_[key].items()}
+                                  f"prompt lookup (mean {final['prompt_lookup_acceptance_length']:.2f})", 0.2)):
+            h = {int(k): v for k, v in final[key].items()}
             total = max(sum(h.values()), 1)
             ax.bar([k + shift for k in h], [v / total for v in h.values()], width=0.4, label=name)
         ax.set(title="tokens per verification step", xlabel="accepted length", ylabel="share of steps")

@@ -434,6 +434,13 @@ def generation_throughput(a, report):
     vocab = dm.text_config(model.config).vocab_size
     report(f"generation: {name}, {n_params / 1e9:.2f}B parameters, prompts of {a.gen_prompt_tokens} tokens, "
            f"{a.gen_new_tokens} new tokens per row")
+    def timed(fn):  # (result, seconds) of one call, the GPU's work included
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        res = fn()
+        torch.cuda.synchronize()
+        return res, time.perf_counter() - t0
+
     out = {}
     for batch in [int(b) for b in a.gen_batches.split(",")]:
         g = torch.Generator().manual_seed(batch)
@@ -442,11 +449,7 @@ def generation_throughput(a, report):
         for mode, graph, grouped in (("eager", False, True), ("graph, model attention", True, False),
                                      ("graph", True, True)):
             dm.generate(model, prompts[:batch], 8, (), batch, graph=graph, grouped=grouped)  # warm-up (and capture)
-            torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            res = dm.generate(model, prompts, a.gen_new_tokens, (), batch, graph=graph, grouped=grouped)
-            torch.cuda.synchronize()
-            dt = time.perf_counter() - t0
+            res, dt = timed(lambda: dm.generate(model, prompts, a.gen_new_tokens, (), batch, graph=graph, grouped=grouped))
             n = sum(len(t) for t, _ in res)
             out[f"{batch}_{mode}"] = n / dt
             report(f"  batch {batch:4d} {mode:22s}: {n / dt:9,.0f} generated tokens/s ({n} tokens in {dt:.1f}s, "
@@ -454,11 +457,8 @@ def generation_throughput(a, report):
         # prompt lookup: on random prompts it rarely proposes a right token, so this is the cost
         # of verifying blocks of 16 at about one token gained per step, against greedy's steps
         dm.speculative_generate(model, prompts[:batch], 8, (), block_size=16, batch_size=batch)  # warm-up
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        res = dm.speculative_generate(model, prompts, a.gen_new_tokens, (), block_size=16, batch_size=batch)
-        torch.cuda.synchronize()
-        dt = time.perf_counter() - t0
+        res, dt = timed(lambda: dm.speculative_generate(model, prompts, a.gen_new_tokens, (), block_size=16,
+                                                        batch_size=batch))
         n, steps = sum(len(t) for t, _ in res), sum(len(g) for _, g in res)
         out[f"{batch}_lookup"] = n / dt
         report(f"  batch {batch:4d} {'prompt lookup, block 16':22s}: {n / dt:9,.0f} generated tokens/s "
