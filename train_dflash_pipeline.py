@@ -1838,11 +1838,13 @@ def regeneration_prompts(path, done_ids):
     return todo, stats
 
 
-def regenerate_chunk(backend, conversations):
+def regenerate_chunk(backend, conversations, progress=None):
     """Each conversation ([messages without assistant turns]) with an assistant turn after every
     user turn, written by backend(list of message lists) -> [(text or None if it failed, finish
     reason or the error, tokens)]. Returns (conversations with answers, {conversation: error},
-    [finish reasons], generated tokens); a failed conversation gets no further turns."""
+    [finish reasons], generated tokens); a failed conversation gets no further turns. A turn
+    the backend declines as "context" (its history too long to answer) ends the conversation
+    before that user turn; one with no answered turn then fails."""
     outs = [[] for _ in conversations]
     pending = [list(c) for c in conversations]
     failed, reasons, tokens = {}, [], 0
@@ -1857,6 +1859,15 @@ def regenerate_chunk(backend, conversations):
         if not live:
             return outs, failed, reasons, tokens
         for i, (text, reason, n) in zip(live, backend([outs[i] for i in live])):
+            if reason == "context":
+                outs[i].pop()  # the user turn left unanswered
+                if progress is not None:  # it and the conversation's later turns will not come
+                    progress(1 + sum(m["role"] == "user" for m in pending[i]), 0)
+                pending[i] = []
+                reasons.append(reason)
+                if not any(m["role"] == "assistant" for m in outs[i]):
+                    failed[i] = "the first prompt is longer than the context limit"
+                continue
             if text is None:
                 failed[i], pending[i] = reason, []
                 continue
@@ -1866,18 +1877,27 @@ def regenerate_chunk(backend, conversations):
 
 
 class EmbeddedBackend:
-    """The target itself, one replica per device (threads), batched by the generation engine."""
+    """The target itself, one replica per device (threads), batched by the generation engine.
+    A prompt of max_context_tokens or more (args; 0: the target's max_position_embeddings less
+    max_new_tokens) is declined as "context": training cuts documents at --max-length, so a turn
+    after that point is never trained on, and a server would refuse it past the model's window."""
 
     def __init__(self, target_name, devices, tokenizer, args, progress=None):
         self.tokenizer, self.args, self.progress = tokenizer, args, progress
         self.replicas = [load_full_target(target_name, d) for d in devices]
         self.stop = stop_token_ids(tokenizer, self.replicas[0].generation_config)
+        window = getattr(dm.text_config(self.replicas[0].config), "max_position_embeddings", None) or 10**9
+        self.max_context = getattr(args, "max_context_tokens", 0) or max(window - args.max_new_tokens, 1)
 
     def __call__(self, conversations):
         a = self.args
         ids = [prompt_ids(self.tokenizer, c, a.chat_template_kwargs) for c in conversations]
-        shares = [list(range(k, len(ids), len(self.replicas))) for k in range(len(self.replicas))]
         results, errors = [None] * len(ids), []
+        for i, p in enumerate(ids):
+            if len(p) >= self.max_context:
+                results[i] = ([], "context")
+        todo = [i for i, r in enumerate(results) if r is None]
+        shares = [todo[k::len(self.replicas)] for k in range(len(self.replicas))]
 
         def run(replica, share, seed):
             try:
@@ -1896,7 +1916,8 @@ class EmbeddedBackend:
             t.join()
         if errors:
             raise RuntimeError("generation failed on a replica:\n" + errors[0])
-        return [(self.tokenizer.decode(t, skip_special_tokens=True), reason, len(t)) for t, reason in results]
+        return [(None if reason == "context" else self.tokenizer.decode(t, skip_special_tokens=True), reason, len(t))
+                for t, reason in results]
 
 
 class ServerBackend:
@@ -1974,7 +1995,7 @@ def regenerate(input_path, output, make_backend, chunk_size, log=print, desc="re
     with open(output, "a") as out, open(rejects, "a") as bad:
         for start in range(0, len(todo), chunk_size):
             chunk = todo[start:start + chunk_size]
-            convs, failed, reasons, tokens = regenerate_chunk(backend, [m for _, m in chunk])
+            convs, failed, reasons, tokens = regenerate_chunk(backend, [m for _, m in chunk], progress)
             for k, ((row_id, _), messages) in enumerate(zip(chunk, convs)):
                 if k in failed:
                     summary["rejected"] += 1
@@ -2362,20 +2383,23 @@ def write_jsonl_atomically(path, rows):
 
 
 def regenerated_builtin_data(args, log):
-    """Every built-in conversation with its assistant turns written by the built-in target (the
-    GPU demo's training data): greedy, with the run's chat-template options, cached (and resumed
-    where a previous run stopped)."""
-    key = hashlib.sha256(json.dumps([args.chat_template_kwargs, args.regen_max_new_tokens]).encode()).hexdigest()[:8]
-    out = os.path.join(CACHE, "data", f"sharegpt_all.regen-smollm2-{key}.jsonl")
+    """Every built-in conversation worth regenerating (builtin:sharegpt-prompts) with its
+    assistant turns written by the built-in target (the GPU demo's training data): greedy, with
+    the run's chat-template options, each conversation ending where its history reaches
+    --max-length; cached (and resumed where a previous run stopped)."""
+    key = hashlib.sha256(json.dumps([args.chat_template_kwargs, args.regen_max_new_tokens, args.max_length])
+                         .encode()).hexdigest()[:8]
+    out = os.path.join(CACHE, "data", f"sharegpt_prompts.regen-smollm2-{key}.jsonl")
     done = out + ".done"
     if os.path.exists(done):
         return out
     log(f"demo: regenerating the built-in conversations with the target (once; cached at {out})")
     regen_args = argparse.Namespace(chat_template_kwargs=args.chat_template_kwargs, max_new_tokens=args.regen_max_new_tokens,
-                                    batch_size=256, temperature=0.0, top_p=1.0, seed=args.seed)
+                                    batch_size=256, temperature=0.0, top_p=1.0, seed=args.seed,
+                                    max_context_tokens=args.max_length)
     tokenizer = load_tokenizer(args.target_model)
     gpus = [torch.device("cuda", i) for i in range(torch.cuda.device_count())]  # one replica each
-    summary = regenerate(builtin_data_file(None), out, lambda progress: EmbeddedBackend(
+    summary = regenerate(builtin_prompts_file(), out, lambda progress: EmbeddedBackend(
         args.target_model, gpus, tokenizer, regen_args, progress), 2048, log, "demo: regenerating")
     log(f"demo: {summary['text']}")
     torch.cuda.empty_cache()  # the regenerating replica is gone: its cached blocks go too
@@ -2532,9 +2556,10 @@ DEMO_DEFAULTS = dict(max_length=256, token_budget=1024, num_anchors=16, num_draf
                      max_steps=60, log_interval=5, save_interval=30, output_dir="runs/demo", eval_prompts=6,
                      eval_max_new_tokens=48)
 # On a GPU the demo is the whole recipe: regenerate every built-in conversation with the target,
-# train with --compile, evaluate on the 80 MT-Bench questions (both turns) against prompt lookup.
+# train with --compile for a fixed number of steps (about 5 minutes on one H200, whatever the data
+# holds), evaluate on the 80 MT-Bench questions (both turns) against prompt lookup.
 GPU_DEMO_DEFAULTS = dict(max_length=2048, token_budget=16384, num_anchors=512, num_draft_layers=5, lr=1e-3,
-                         epochs=16, log_interval=50, save_interval=1000, output_dir="runs/demo-gpu", eval_prompts=80,
+                         max_steps=3000, log_interval=50, save_interval=1000, output_dir="runs/demo-gpu", eval_prompts=80,
                          eval_turns=2, eval_max_new_tokens=256, compile=True, regen_max_new_tokens=256)
 
 

@@ -300,6 +300,33 @@ def test_regenerate_multi_turn_equals_transformers_generate(tmp_path, tiny_model
             assert m["content"] == tok.decode(ref, skip_special_tokens=True)
 
 
+def test_regenerate_ends_a_conversation_where_its_history_reaches_the_context_limit(tmp_path, tiny_model_dir, capsys):
+    """--max-context-tokens: a turn whose prompt is that long is not generated, nor any after it
+    (training would cut them off); the turns before it are kept, counted as finish reason
+    'context'; a conversation whose first prompt is already that long is a counted reject."""
+    tok = tiny_tokenizer()
+    long_turn = " ".join(["the cat sat on the mat"] * 12)
+    rows = [{"messages": [{"role": "user", "content": "the cat"}, {"role": "assistant", "content": "x"},
+                          {"role": "user", "content": long_turn}, {"role": "assistant", "content": "y"},
+                          {"role": "user", "content": "and then"}]},
+            {"messages": [{"role": "user", "content": long_turn + " " + long_turn}]},
+            {"messages": [{"role": "user", "content": "a mat"}, {"role": "assistant", "content": "z"},
+                          {"role": "user", "content": "more"}]}]
+    first = len(tp.prompt_ids(tok, rows[0]["messages"][:1]))
+    limit = len(tp.prompt_ids(tok, rows[0]["messages"][:3])) - 4  # the first turn fits, the second does not
+    assert first + 8 < limit < len(tp.prompt_ids(tok, rows[1]["messages"]))
+    src = write_jsonl(tmp_path / "in.jsonl", rows)
+    out = tmp_path / "out.jsonl"
+    rc = rg.main(["--target-model", tiny_model_dir, "--input", src, "--output", str(out), "--gpus", "cpu",
+                  "--max-new-tokens", "4", "--max-context-tokens", str(limit)])
+    assert rc == 1  # the conversation that could not start is a reject
+    got = {r["id"]: [m["role"] for m in r["messages"]] for r in map(json.loads, out.read_text().splitlines())}
+    assert got == {1: ["user", "assistant"], 3: ["user", "assistant", "user", "assistant"]}
+    rejects = [json.loads(l) for l in open(str(out) + ".rejects.jsonl")]
+    assert [r["id"] for r in rejects] == [2] and "context limit" in rejects[0]["reason"]
+    assert "'context': 2" in capsys.readouterr().out  # the summary counts both declined turns
+
+
 @pytest.mark.serving
 def test_vllm_serves_the_drafter_as_our_evaluator_measures(tmp_path):
     """vLLM's CPU build runs DFlash speculative decoding with a drafter this tool trained: its
