@@ -1117,9 +1117,10 @@ def speculative_generate(model, prompts, max_new_tokens, stop_token_ids=(), draf
     dev = next(model.parameters()).device
     results = [None] * len(prompts)
     layer_ids = drafter.target_layer_ids if drafter is not None else ()
-    # a row stops before max_new_tokens verified tokens; its last step appends bs more
+    # A row's last step starts before max_new_tokens verified tokens and keeps up to bs; a
+    # finished row stays there while the others go on, its blocks written bs slots further.
     ctx = None
-    for idx, decoder in row_batches(decoder_batches(model, prompts, batch_size, max_new_tokens + bs, layer_ids,
+    for idx, decoder in row_batches(decoder_batches(model, prompts, batch_size, max_new_tokens + 2 * bs, layer_ids,
                                                     graph)):
         rows = [prompts[i] for i in idx]
         logits, feats = decoder.prefill(rows)

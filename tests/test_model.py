@@ -313,6 +313,28 @@ def test_speculative_decoding_is_lossless(right):
         assert set(acc[:-1]) == {3}
 
 
+def test_speculative_rows_that_finish_first_stay_inside_their_cache_slots():
+    """A row that ends by length keeps its place while the other rows go on verifying blocks;
+    with the longest prompt at a multiple of the slot granule (no padding to spare), its blocks
+    must still fit the cache (this case ran out of bounds when a row held max_new + block slots)
+    and every output is the target's greedy one. The counter target makes prompt lookup right
+    along counting runs and wrong at their defects, so the rows gain at different rates."""
+    import random
+    from conftest import counter_target
+    V, rnd = 128, random.Random(0)
+    target = counter_target(V)
+    prompts = []
+    for r in range(3):
+        p = [i % V for i in range(256 - 8 * r)]
+        for _ in range(rnd.randint(1, 12)):
+            p[rnd.randrange(len(p))] = rnd.randrange(V)
+        prompts.append(p)
+    prompts.append([rnd.randrange(V) for _ in range(200)])
+    outs = dm.speculative_generate(target, prompts, 48, (), block_size=16, batch_size=4, graph=False)
+    assert [o for o, _ in outs] == [t for t, _ in dm.generate(target, prompts, 48, (), 4, graph=False)]
+    assert len({len(gains) for _, gains in outs}) > 1  # the rows took different numbers of steps
+
+
 def test_speculative_decoding_stops_at_stop_token():
     target = tiny_target()
     drafter = make_drafter(target, block_size=4)
