@@ -318,13 +318,24 @@ def test_flex_target_stage_equals_dense_graphed_and_eager():
         return {"input_ids": torch.randint(0, 290, (2, 640), generator=g).cuda(), "doc_ids": doc.cuda(),
                 "position_ids": pos.cuda()}
 
+    # bf16 rounding alone moves the dense path's features by about 2% (0.56 at most, features up
+    # to 14; measured on the H200): each path is held to the same fp32 reference, within 10% of
+    # the dense path's own rounding error, not to the dense path element by element
+    exact = tp.TargetReplica(copy.deepcopy(model).float(), [1, 2], torch.device("cuda:0"), "dense")
+
+    def check(replica, b):
+        ref = exact.features(b).float()
+        err = lambda x: ((x.float() - ref).norm() / ref.norm()).item()  # noqa: E731
+        got, base = err(replica.features(b).clone()), err(dense.features(b))
+        assert got <= 1.1 * base + 1e-3, (got, base)
+
     first, second = batch(1), batch(2)
-    torch.testing.assert_close(flex.features(first), dense.features(first), rtol=2e-2, atol=2e-2)
+    check(flex, first)
     flex.capture(2, 640)
     for b in (first, second):
-        torch.testing.assert_close(flex.features(b).clone(), dense.features(b), rtol=2e-2, atol=2e-2)
+        check(flex, b)
     # the decoder layers compiled (--compile-target), then captured
     fused = tp.TargetReplica(copy.deepcopy(model), [1, 2], torch.device("cuda:0"), "flex", compile_layers=True)
     fused.capture(2, 640)
     for b in (first, second):
-        torch.testing.assert_close(fused.features(b).clone(), dense.features(b), rtol=2e-2, atol=2e-2)
+        check(fused, b)
