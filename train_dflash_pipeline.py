@@ -30,7 +30,7 @@ import threading
 import time
 import traceback
 import zipfile
-from collections import Counter, defaultdict
+from collections import Counter, defaultdict, deque
 from contextlib import nullcontext
 
 import numpy as np
@@ -1842,42 +1842,61 @@ def regeneration_prompts(path, done_ids):
     return todo, stats
 
 
-def regenerate_chunk(backend, conversations, progress=None):
-    """Each conversation ([messages without assistant turns]) with an assistant turn after every
-    user turn, written by backend(list of message lists) -> [(text or None if it failed, finish
-    reason or the error, tokens)]. Returns (conversations with answers, {conversation: error},
-    [finish reasons], generated tokens); a failed conversation gets no further turns. A turn
-    the backend declines as "context" (its history too long to answer) ends the conversation
-    before that user turn; one with no answered turn then fails."""
-    outs = [[] for _ in conversations]
-    pending = [list(c) for c in conversations]
-    failed, reasons, tokens = {}, [], 0
-    while True:
-        live = []
-        for i, rest in enumerate(pending):
-            while rest and rest[0]["role"] != "user":
-                outs[i].append(rest.pop(0))
-            if rest:
-                outs[i].append(rest.pop(0))
-                live.append(i)
-        if not live:
-            return outs, failed, reasons, tokens
-        for i, (text, reason, n) in zip(live, backend([outs[i] for i in live])):
+class Regeneration:
+    """One conversation being regenerated: its messages so far (`outs`), the user and system
+    turns still to come (`rest`), and why it failed, if it did."""
+
+    def __init__(self, row_id, asks):
+        self.row_id, self.outs, self.rest, self.error = row_id, [], list(asks), None
+
+    def next_turn(self):
+        """Moves the next user turn (and the system turns before it) into outs; False if none."""
+        while self.rest and self.rest[0]["role"] != "user":
+            self.outs.append(self.rest.pop(0))
+        if self.rest:
+            self.outs.append(self.rest.pop(0))
+            return True
+        return False
+
+
+def regenerate_rounds(backend, todo, window, summary, progress=None):
+    """Every conversation of todo ([(id, messages without assistant turns)]) with an assistant
+    turn after each user turn, written by backend(list of message lists) -> [(text or None if it
+    failed, finish reason or the error, tokens)], each turn given the conversation so far. In
+    rounds: each round asks the next turn of up to `window` conversations, topped up from todo as
+    conversations end, so a round stays full until todo runs out. A turn the backend declines
+    as "context" (its history too long to answer) ends the conversation before that user turn;
+    one with no answered turn then fails. Yields, after each round, the conversations that are
+    done (error None) or have failed (they get no further turns). Counts answered turns, tokens
+    and finish reasons into summary."""
+    todo, live = deque(todo), []
+    while todo or live:
+        while todo and len(live) < window:
+            live.append(Regeneration(*todo.popleft()))
+        asking = [c for c in live if c.next_turn()]
+        for c, (text, reason, n) in zip(asking, backend([c.outs for c in asking]) if asking else []):
             if reason == "context":
-                outs[i].pop()  # the user turn left unanswered
+                summary["finish"][reason] += 1
+                c.outs.pop()  # the user turn left unanswered
                 if progress is not None:  # it and the conversation's later turns will not come
-                    progress(1 + sum(m["role"] == "user" for m in pending[i]), 0)
-                pending[i] = []
-                reasons.append(reason)
-                if not any(m["role"] == "assistant" for m in outs[i]):
-                    failed[i] = "the first prompt is longer than the context limit"
-                continue
-            if text is None:
-                failed[i], pending[i] = reason, []
-                continue
-            outs[i].append({"role": "assistant", "content": text})
-            reasons.append(reason)
-            tokens += n
+                    progress(1 + sum(m["role"] == "user" for m in c.rest), 0)
+                c.rest = []
+                if not any(m["role"] == "assistant" for m in c.outs):
+                    c.error = "the first prompt is longer than the context limit"
+            elif text is None:
+                c.error, c.rest = reason, []
+            else:
+                c.outs.append({"role": "assistant", "content": text})
+                summary["finish"][reason] += 1
+                summary["turns"] += 1
+                summary["tokens"] += n
+        finished = [c for c in live if c.error is not None or not any(m["role"] == "user" for m in c.rest)]
+        for c in finished:
+            if c.error is None:
+                c.outs.extend(c.rest)  # system turns after the last user turn
+        live = [c for c in live if c.error is None and any(m["role"] == "user" for m in c.rest)]
+        if finished:
+            yield finished
 
 
 class EmbeddedBackend:
@@ -1983,11 +2002,12 @@ def done_regeneration_ids(path):
     return done
 
 
-def regenerate(input_path, output, make_backend, chunk_size, log=print, desc="regenerating"):
-    """Regenerate every row of input_path not yet in output, chunk by chunk, appending each
-    finished chunk to output (so a kill loses at most the chunk in flight; a rerun resumes).
-    make_backend(progress) gives the backend. Rows whose generation failed go to
-    <output>.rejects.jsonl with the reason. Returns the summary dict (with a one-line `text`)."""
+def regenerate(input_path, output, make_backend, window=4096, log=print, desc="regenerating"):
+    """Regenerate every row of input_path not yet in output (regenerate_rounds, `window`
+    conversations at a time), appending each conversation to output as soon as it is done (so a
+    kill loses only those in progress; a rerun resumes). make_backend(progress) gives the
+    backend. Rows whose generation failed go to <output>.rejects.jsonl with the reason. Returns
+    the summary dict (with a one-line `text`)."""
     todo, skipped = regeneration_prompts(input_path, done_regeneration_ids(output))
     for line in skipped.summary()[1:]:
         log(f"input: {line.strip()}")
@@ -1997,21 +2017,17 @@ def regenerate(input_path, output, make_backend, chunk_size, log=print, desc="re
     rejects = output + ".rejects.jsonl"
     summary = {"rows": 0, "turns": 0, "tokens": 0, "finish": Counter(), "rejected": 0, "rejects": rejects}
     with open(output, "a") as out, open(rejects, "a") as bad:
-        for start in range(0, len(todo), chunk_size):
-            chunk = todo[start:start + chunk_size]
-            convs, failed, reasons, tokens = regenerate_chunk(backend, [m for _, m in chunk], progress)
-            for k, ((row_id, _), messages) in enumerate(zip(chunk, convs)):
-                if k in failed:
+        for finished in regenerate_rounds(backend, todo, window, summary, progress):
+            for c in finished:
+                if c.error is not None:
                     summary["rejected"] += 1
-                    bad.write(json.dumps({"id": row_id, "reason": failed[k]}) + "\n")
-                    continue
-                out.write(json.dumps({"id": row_id, "messages": messages}) + "\n")
-                summary["rows"] += 1
-            out.flush()
-            os.fsync(out.fileno())
-            summary["turns"] += len(reasons)
-            summary["tokens"] += tokens
-            summary["finish"].update(reasons)
+                    bad.write(json.dumps({"id": c.row_id, "reason": c.error}) + "\n")
+                else:
+                    out.write(json.dumps({"id": c.row_id, "messages": c.outs}) + "\n")
+                    summary["rows"] += 1
+            for f in (out, bad):
+                f.flush()
+                os.fsync(f.fileno())
     progress.close()
     if not summary["rejected"]:
         os.remove(rejects)
@@ -2404,7 +2420,7 @@ def regenerated_builtin_data(args, log):
     tokenizer = load_tokenizer(args.target_model)
     gpus = [torch.device("cuda", i) for i in range(torch.cuda.device_count())]  # one replica each
     summary = regenerate(builtin_prompts_file(), out, lambda progress: EmbeddedBackend(
-        args.target_model, gpus, tokenizer, regen_args, progress), 2048, log, "demo: regenerating")
+        args.target_model, gpus, tokenizer, regen_args, progress), log=log, desc="demo: regenerating")
     log(f"demo: {summary['text']}")
     torch.cuda.empty_cache()  # the regenerating replica is gone: its cached blocks go too
     open(done, "w").close()

@@ -12,9 +12,10 @@ default is the target's greedy reply. For each conversation the user (and system
 and every assistant turn is generated given the conversation so far, its earlier turns already
 regenerated, batched over conversations (the embedded engine: static shapes, prompts batched by
 length, one replica per GPU). Output rows are in the `messages` form the pipeline reads, with
-`id` = the input line number. Resumable: a rerun skips ids already in --output; a kill loses at
-most the chunk in flight. Rows that fail (server errors after the retries) go to
-<output>.rejects.jsonl with the reason, and the exit status is 1.
+`id` = the input line number. Resumable: a rerun skips ids already in --output; a conversation is
+written once its last turn is done, so a kill loses only the conversations in progress. Rows that
+fail (server errors after the retries) go to <output>.rejects.jsonl with the reason, and the exit
+status is 1.
 """
 
 import argparse
@@ -38,7 +39,9 @@ def main(argv=None):
     p.add_argument("--temperature", type=float, default=0.0, help="0: greedy (the default suits DFlash training)")
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--chunk-size", type=int, default=2048, help="conversations regenerated (and written) together")
+    p.add_argument("--window", type=int, default=4096,
+                   help="conversations in progress together: each round asks the next turn of each, and one that "
+                   "is done is written and replaced from the input")
     g = p.add_argument_group("embedded engine (default)")
     g.add_argument("--gpus", default=None, help="e.g. 0,1,2,3 (one replica each); default: all visible, or cpu")
     g.add_argument("--batch-size", type=int, default=128, help="rows decoded together per replica")
@@ -66,7 +69,7 @@ def main(argv=None):
             [torch.device("cuda", i) for i in range(torch.cuda.device_count())] or [torch.device("cpu")])
         tokenizer = tp.load_tokenizer(args.target_model)
         make_backend = lambda progress: tp.EmbeddedBackend(args.target_model, devices, tokenizer, args, progress)  # noqa: E731
-    summary = tp.regenerate(tp.builtin_data(args.input), args.output, make_backend, args.chunk_size)
+    summary = tp.regenerate(tp.builtin_data(args.input), args.output, make_backend, args.window)
     print(summary["text"])
     if summary["rejected"]:
         print(f"error: {summary['rejected']} conversations failed after {args.retries} retries; see {summary['rejects']}",

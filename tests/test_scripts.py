@@ -277,6 +277,33 @@ def test_regenerate_server_failures_are_rejected_not_dropped(tmp_path, capsys):
     assert out.read_text() == "" and "3 conversations failed after 2 retries" in capsys.readouterr().err
 
 
+def test_regeneration_rounds_stay_full_and_write_each_conversation_when_done():
+    """Rounds of `window` conversations, topped up as conversations end: every round asks
+    `window` turns until the input runs out, each turn sees the answers before it, and a
+    conversation is handed out as soon as its last turn is answered."""
+    from collections import Counter
+    turns = [3, 1, 1, 2, 1, 4, 1]
+    todo = [(i, [m for k in range(n) for m in ({"role": "system", "content": "s"},) * (k == 0) +
+                 ({"role": "user", "content": f"{i}.{k}"},)]) for i, n in enumerate(turns)]
+    rounds = []
+
+    def backend(convs):  # answers with what it was asked, and how many answers it saw before
+        rounds.append(len(convs))
+        return [(f"{c[-1]['content']}|{sum(m['role'] == 'assistant' for m in c)}", "stop", 1) for c in convs]
+
+    summary = {"turns": 0, "tokens": 0, "finish": Counter()}
+    handed = [[c.row_id for c in done] for done in tp.regenerate_rounds(backend, todo, 3, summary)]
+    # full until the input runs out after round 3; then the 4-turn conversation alone
+    assert rounds == [3, 3, 3, 2, 1, 1] and sum(rounds) == sum(turns) == summary["turns"]
+    assert handed[0] == [1, 2]  # the one-turn conversations, after the first round
+    assert sorted(i for r in handed for i in r) == list(range(len(turns)))
+    done = {c.row_id: c.outs for r in tp.regenerate_rounds(backend, todo, 3, summary) for c in r}
+    for i, n in enumerate(turns):
+        answers = [m["content"] for m in done[i] if m["role"] == "assistant"]
+        assert answers == [f"{i}.{k}|{k}" for k in range(n)]
+        assert done[i][0] == {"role": "system", "content": "s"}
+
+
 def test_regenerate_multi_turn_equals_transformers_generate(tmp_path, tiny_model_dir):
     """Every regenerated turn is the target's greedy reply given the regenerated history."""
     from transformers import AutoModelForCausalLM
