@@ -988,7 +988,7 @@ class GradAverager:
         self.num_workers, self.cluster = num_workers, cluster or Cluster()
         self.active = num_workers > 1 or self.cluster.world_size > 1  # is there anything to average
         self.stop_requested, self.stop_agreed = stop_requested, False
-        self.buffers = [None] * num_workers
+        self.buffers, self.streams = [None] * num_workers, [None] * num_workers
         self.barrier = threading.Barrier(num_workers, action=self._average) if num_workers > 1 else None
         self.across = None  # over several machines: this machine's sum and the stop vote, reduced together
 
@@ -999,41 +999,59 @@ class GradAverager:
             self.across = flat_grad.new_empty(flat_grad.numel() + 1)
 
     def _average(self):
-        buffers, first = self.buffers, self.buffers[0]
+        buffers = self.buffers
         # One GPU per worker: one NCCL all-reduce, every GPU's links busy at once (2 x 4.2 GB:
         # 14 ms against 30 ms through the first GPU; docs/benchmarks.md, third session).
-        nccl = len(buffers) > 1 and all(b.is_cuda for b in buffers) and torch.cuda.nccl.is_available(buffers)
-        if nccl:
-            torch.cuda.nccl.all_reduce(buffers)  # in place: every buffer holds this machine's sum
-        else:
-            for b in buffers[1:]:
-                first += b.to(first.device)
+        if len(buffers) > 1 and all(b.is_cuda for b in buffers) and torch.cuda.nccl.is_available(buffers):
+            self._average_nccl(buffers)
+            return
+        for stream in self.streams:
+            if stream is not None:  # the gradients are read from this thread
+                stream.synchronize()
+        first = buffers[0]
+        for b in buffers[1:]:
+            first += b.to(first.device)
         if self.cluster.world_size > 1:
-            # One slot more than the gradients: the stop vote rides in the same reduction.
-            self.prepare(0, first)
-            total = self.across
-            total[:-1].copy_(first)
-            total[-1] = float(self.stop_requested())
-            self.cluster.all_reduce_(total)
-            first.copy_(total[:-1])
-            self.stop_agreed = bool(total[-1] > 0)
-        count = self.num_workers * self.cluster.world_size
-        if nccl and self.cluster.world_size == 1:
-            for b in buffers:
-                b /= count
-        else:
-            first /= count
-            for b in buffers[1:]:
-                b.copy_(first)
+            self._across_machines(first)
+        first /= self.num_workers * self.cluster.world_size
+        for b in buffers[1:]:
+            b.copy_(first)
         for b in buffers:
             if b.is_cuda:
                 torch.cuda.synchronize(b.device)
 
+    def _average_nccl(self, buffers):
+        """On each worker's own stream, after its backward and before its update there, so the
+        host waits for nothing and no other work on those GPUs (a target forward, the next
+        batch's copy) holds the averaging up."""
+        streams = self.streams
+        torch.cuda.nccl.all_reduce(buffers, streams=streams)  # in place: every buffer holds this machine's sum
+        if self.cluster.world_size > 1:
+            with torch.cuda.stream(streams[0]):
+                self._across_machines(buffers[0])
+            torch.cuda.nccl.broadcast(buffers, root=0, streams=streams)
+        for b, stream in zip(buffers, streams):
+            with torch.cuda.stream(stream):
+                b /= self.num_workers * self.cluster.world_size
+
+    def _across_machines(self, local_sum):
+        """local_sum <- the sum over every machine; the stop vote rides in the same reduction (one
+        slot more than the gradients)."""
+        self.prepare(0, local_sum)
+        total = self.across
+        total[:-1].copy_(local_sum)
+        total[-1] = float(self.stop_requested())
+        self.cluster.all_reduce_(total)
+        local_sum.copy_(total[:-1])
+        self.stop_agreed = bool(total[-1] > 0)
+
     def average(self, rank, flat_grad):
+        """Called by every worker on its own stream with its gradients queued there; returns with
+        the average queued on that stream (or done, off the NCCL path)."""
         if not self.active:
             return
         if flat_grad.device.type == "cuda":
-            torch.cuda.current_stream(flat_grad.device).synchronize()
+            self.streams[rank] = torch.cuda.current_stream(flat_grad.device)
         self.buffers[rank] = flat_grad
         if self.barrier is None:
             self._average()
