@@ -43,6 +43,7 @@ import dflash_model as dm
 
 BUILTIN_MODEL, BUILTIN_DATA = "builtin:smollm2-135m-instruct", "builtin:sharegpt"
 BUILTIN_PROMPTS = "builtin:sharegpt-prompts"  # every built-in conversation worth regenerating
+BUILTIN_REGENERATED = "builtin:sharegpt-regenerated"  # those, answered by the built-in target (GPU demo)
 DEFAULT_MODEL, DEFAULT_DATA = BUILTIN_MODEL, BUILTIN_DATA
 
 
@@ -51,7 +52,10 @@ def build_parser():
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     a = p.add_argument
     a("--target-model", default=DEFAULT_MODEL, help="transformers model id or local directory (decoder-only causal LM)")
-    a("--data", nargs="+", default=[DEFAULT_DATA], help="JSONL files or globs (messages, conversations, or input_ids+loss_mask)")
+    a("--data", nargs="+", default=[DEFAULT_DATA],
+      help="JSONL files or globs (messages, conversations, or input_ids+loss_mask); built in: builtin:sharegpt "
+      "(human replies), builtin:sharegpt-regenerated (every built-in prompt answered by the built-in target, "
+      "regenerated once on a GPU: the GPU demo's data)")
     a("--output-dir", default="runs/dflash", help="logs, metrics.jsonl and checkpoints go here")
     a("--target-gpus", default=None, help="e.g. 0,1,2,3,4,5 (or cpu); default: chosen from the visible GPUs")
     a("--drafter-gpus", default=None, help="one drafter worker thread per entry, e.g. 6,7 (repeats and cpu allowed)")
@@ -153,6 +157,9 @@ def resolve_layout(args):
 
 
 def check_args(args):
+    if BUILTIN_REGENERATED in args.data and (args.target_model != BUILTIN_MODEL or not torch.cuda.is_available()):
+        raise UsageError(f"--data {BUILTIN_REGENERATED} is written by the built-in target ({BUILTIN_MODEL}) on a GPU; "
+                         "elsewhere regenerate with scripts/regenerate_data.py")
     if args.max_length < 2:
         raise UsageError("--max-length must be at least 2")
     if args.token_budget < args.max_length:
@@ -2596,7 +2603,7 @@ DEMO_DEFAULTS = dict(max_length=256, token_budget=1024, num_anchors=16, num_draf
 # On a GPU the demo is the whole recipe: regenerate every built-in conversation with the target,
 # train with --compile for a fixed number of steps (about 5 minutes on one H200, whatever the data
 # holds), evaluate on the 80 MT-Bench questions (both turns) against prompt lookup.
-GPU_DEMO_DEFAULTS = dict(max_length=2048, token_budget=16384, num_anchors=512, num_draft_layers=5, lr=1e-3,
+GPU_DEMO_DEFAULTS = dict(data=[BUILTIN_REGENERATED], max_length=2048, token_budget=16384, num_anchors=512, num_draft_layers=5, lr=1e-3,
                          max_steps=3000, log_interval=50, save_interval=1000, output_dir="runs/demo-gpu", eval_prompts=80,
                          eval_turns=2, eval_max_new_tokens=256, compile=True, regen_max_new_tokens=256)
 
@@ -2680,8 +2687,8 @@ def train(args):
 
 def train_on(args, cluster, target_devices, drafter_devices, tc):
     log_file, log = open_log(args, cluster)
-    if args.data == [DEFAULT_DATA] and args.target_model == DEFAULT_MODEL and torch.cuda.is_available():
-        args.data = [regenerated_builtin_data(args, log)]
+    if BUILTIN_REGENERATED in args.data:
+        args.data = [regenerated_builtin_data(args, log) if p == BUILTIN_REGENERATED else p for p in args.data]
         args.eval_data = args.eval_data or mtbench_file()
     tokenizer = load_tokenizer(args.target_model)
     corpus, batches, validation = prepare_data(args, tokenizer, tc.vocab_size, log)

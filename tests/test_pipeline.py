@@ -439,6 +439,19 @@ def test_typed_flags_win_over_the_demo_values():
     assert args.max_length == tp.DEMO_DEFAULTS["max_length"]  # not typed: the demo's
 
 
+def test_the_gpu_demo_trains_on_regenerated_data_unless_data_is_typed(monkeypatch, tmp_path):
+    """On a GPU the demo trains on the target's own answers; `--data builtin:sharegpt` typed (the
+    default's value) still means the human replies. The regenerated set needs the built-in
+    target on a GPU: elsewhere a clear error."""
+    parser = tp.build_parser()
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert tp.apply_demo_defaults(parser, parser.parse_args([]), []).data == [tp.BUILTIN_REGENERATED]
+    argv = ["--data", tp.BUILTIN_DATA]
+    assert tp.apply_demo_defaults(parser, parser.parse_args(argv), argv).data == [tp.BUILTIN_DATA]
+    monkeypatch.undo()
+    assert tp.main(["--data", tp.BUILTIN_REGENERATED, "--output-dir", str(tmp_path / "o")]) == 2
+
+
 def test_validation_documents_are_held_out_and_scored_beside_training(tmp_path, tiny_model_dir):
     data = write_jsonl(tmp_path / "d.jsonl", chat_rows(60))
     r = run_cli(tmp_path, tiny_model_dir, data, "--target-gpus", "cpu", "--drafter-gpus", "cpu", "--max-steps", "6",
