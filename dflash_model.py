@@ -1115,6 +1115,7 @@ def speculative_generate(model, prompts, max_new_tokens, stop_token_ids=(), draf
     stop = set(int(t) for t in stop_token_ids)
     bs = drafter.block_size if drafter is not None else block_size
     dev = next(model.parameters()).device
+    stop_t = torch.tensor(sorted(stop) or [-1], device=dev)
     results = [None] * len(prompts)
     layer_ids = drafter.target_layer_ids if drafter is not None else ()
     # A row's last step starts before max_new_tokens verified tokens and keeps up to bs; a
@@ -1130,42 +1131,51 @@ def speculative_generate(model, prompts, max_new_tokens, stop_token_ids=(), draf
                 ctx = DrafterContext(drafter, decoder, graph)
             P = feats.shape[1]
             ctx.write(feats, decoder.prompt_positions(P), decoder.slot[:P])
+        # Every row's state lives on the device (one host copy every 16 steps with a drafter,
+        # every step with prompt lookup, whose proposals are made on the host): its tokens, how
+        # many, whether it is done (a stop token or max_new_tokens), its gain at every step.
+        B, j = decoder.B, torch.arange(bs, device=dev)
         anchor = logits.argmax(-1)
-        outs = [[int(a)] for a in anchor.tolist()[:len(rows)]]
-        gained = [[] for _ in rows]
-        active = [o[0] not in stop and max_new_tokens > 1 for o in outs]
-        proposed = torch.full((decoder.B,), bs - 1, device=dev)  # a drafter proposes a whole block
-        while any(active):
+        out = torch.zeros(B, max_new_tokens + bs, dtype=torch.long, device=dev)
+        out[:, 0] = anchor
+        count = torch.ones(B, dtype=torch.long, device=dev)
+        done = torch.isin(anchor, stop_t) | (torch.arange(B, device=dev) >= len(rows)) | (max_new_tokens <= 1)
+        gains = torch.zeros(B, max_new_tokens, dtype=torch.long, device=dev)  # a step gains one token or more
+        proposed = torch.full((B,), bs - 1, device=dev)  # a drafter proposes a whole block
+        for step in range(max_new_tokens):
             if drafter is not None:  # each block sees its row's verified slots, and itself
+                if step % 16 == 0 and bool(done.all()):
+                    break
                 draft = ctx.draft(anchor)
             else:
-                props = [lookup_proposal(p + o, bs - 1, max_ngram) if a else [] for p, o, a in zip(rows, outs, active)]
-                props += [[]] * (decoder.B - len(props))
+                host = torch.cat([out, count[:, None], done[:, None].long()], 1).tolist()
+                if all(h[-1] for h in host):
+                    break
+                props = [[] if h[-1] else lookup_proposal(p + h[:h[-2]], bs - 1, max_ngram)
+                         for p, h in zip(rows + [[]] * (B - len(rows)), host)]
                 draft = torch.tensor([p + [0] * (bs - 1 - len(p)) for p in props], device=dev)
                 proposed = torch.tensor([len(p) for p in props], device=dev)
-            block_pos = decoder.next_pos[:, None] + torch.arange(bs, device=dev)
+            block_pos = decoder.next_pos[:, None] + j
             logits, feats = decoder.step(torch.cat([anchor[:, None], draft], 1))
             pred = logits.argmax(-1)  # [B, bs]
             m = (draft == pred[:, :-1]).long().cumprod(-1).sum(-1).minimum(proposed)
             if ctx is not None:  # all bs slots: those not kept are masked out and written over later
                 ctx.write(feats, block_pos, decoder.pad[:, None] + block_pos)
-            live = torch.tensor(active + [False] * (decoder.B - len(active)), device=dev)
+            live = ~done
             decoder.advance((m + 1) * live)  # the block's first token and its m accepted drafts; finished rows stay
             anchor = pred.gather(1, m[:, None]).squeeze(1)
-            host = torch.cat([draft, m[:, None], anchor[:, None]], 1).tolist()  # one copy per step
-            for r in range(len(rows)):
-                if not active[r]:
-                    continue
-                *row_draft, m_r, anchor_r = host[r]
-                new = row_draft[:m_r] + [anchor_r]
-                gained[r].append(len(new))
-                for t in new:
-                    outs[r].append(t)
-                    if t in stop or len(outs[r]) >= max_new_tokens:
-                        active[r] = False
-                        break
+            # the row's new tokens: its m accepted drafts, then the target's own next one
+            new = torch.where(j < m[:, None], torch.cat([draft, anchor[:, None]], 1), anchor[:, None])
+            kept = (j <= m[:, None]) & live[:, None]
+            at = (count[:, None] + j).clamp(max=out.shape[1] - 1)
+            out.scatter_(1, at, torch.where(kept, new, out.gather(1, at)))
+            gains[:, step] = (m + 1) * live
+            stops = kept & torch.isin(new, stop_t)
+            count += torch.where(stops.any(1), stops.long().argmax(1) + 1, m + 1) * live
+            done |= live & (stops.any(1) | (count >= max_new_tokens))
+        counts, tokens, gained = count.tolist(), out.tolist(), gains.tolist()
         for r, i in enumerate(idx):
-            results[i] = (cut_at_stop(outs[r], stop, max_new_tokens)[0], gained[r])
+            results[i] = (cut_at_stop(tokens[r][:counts[r]], stop, max_new_tokens)[0], [g for g in gained[r] if g])
         if progress is not None:
             progress(len(rows), sum(len(results[i][0]) for i in idx))
     return results
