@@ -352,6 +352,14 @@ def test_regenerate_ends_a_conversation_where_its_history_reaches_the_context_li
     rejects = [json.loads(l) for l in open(str(out) + ".rejects.jsonl")]
     assert [r["id"] for r in rejects] == [2] and "context limit" in rejects[0]["reason"]
     assert "'context': 2" in capsys.readouterr().out  # the summary counts both declined turns
+    # by default the limit is the target's window (1024 positions here) less --max-new-tokens
+    src = write_jsonl(tmp_path / "long.jsonl", [{"messages": [{"role": "user", "content": " ".join([long_turn] * 5)}]},
+                                                 {"messages": [{"role": "user", "content": long_turn}]}])
+    assert len(tp.prompt_ids(tok, [{"role": "user", "content": " ".join([long_turn] * 5)}])) > 1024
+    out = tmp_path / "out_long.jsonl"
+    assert rg.main(["--target-model", tiny_model_dir, "--input", src, "--output", str(out), "--gpus", "cpu",
+                    "--max-new-tokens", "4"]) == 1
+    assert [json.loads(l)["id"] for l in out.read_text().splitlines()] == [2]
 
 
 @pytest.mark.serving
