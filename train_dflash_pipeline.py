@@ -638,13 +638,26 @@ class BatchSequence:
 
 
 def split_validation(corpus, fraction, seed):
-    """(training documents, validation documents): a fraction of the documents, drawn by seed,
-    held out and never trained on; none where that would leave either side empty."""
+    """(training documents, validation documents): about a fraction of the documents, drawn by
+    seed, held out and never trained on; none where that would leave either side empty. The
+    documents that open with the same prompt (the tokens before the first trained one; the
+    whole text where none comes before it) are held out together: data the target wrote greedily answers a repeated question (ShareGPT repeats
+    many) with the same text, and a copy left in training would make the held-out figures read
+    memorised text."""
     n = len(corpus)
     k = int(n * fraction)
     if k < 1 or k >= n:
         return np.arange(n), np.zeros(0, np.int64)
-    held = np.sort(np.random.default_rng([seed, 99]).choice(n, k, replace=False))
+    drawn = np.random.default_rng([seed, 99]).choice(n, k, replace=False)
+    key = []
+    for i in range(n):
+        ids, mask = corpus.doc(i)
+        first = int(np.argmax(mask > 0)) if mask.any() else len(ids)
+        key.append(hashlib.sha1((ids[:first] if first else ids).tobytes()).digest())  # no prompt: the whole text
+    chosen = {key[i] for i in drawn}
+    held = np.array([i for i in range(n) if key[i] in chosen], dtype=np.int64)
+    if len(held) >= n:
+        return np.arange(n), np.zeros(0, np.int64)
     return np.setdiff1d(np.arange(n), held), held
 
 
@@ -1340,7 +1353,8 @@ class DrafterWorker:
 # The worker count and the length of the run may change on resume (see plan_run).
 DEFINING_SETTINGS = ("target_model", "data_files", "data_fingerprint", "chat_template_kwargs", "token_budget",
                      "max_length", "num_anchors", "block_size", "num_draft_layers", "layer_ids", "mask_token_id",
-                     "seed")
+                     "seed", "training_documents")
+NEWER_SETTINGS = {"training_documents"}  # checkpoints made before it was recorded lack it: not checked there
 
 
 @dataclasses.dataclass
@@ -1363,9 +1377,13 @@ class RunPlan:
         return self.start_cursor + (step - self.start_step) * self.num_workers
 
 
-def run_settings(args, corpus, paths):
+def run_settings(args, corpus, paths, training_documents=None):
+    """The defining settings of a run; training_documents (the corpus indices it trains on, the
+    validation documents left out) recorded as a hash."""
     s = {k: getattr(args, k) for k in DEFINING_SETTINGS if hasattr(args, k)}
-    s.update(data_files=[os.path.abspath(p) for p in paths], data_fingerprint=corpus.fingerprint())
+    s.update(data_files=[os.path.abspath(p) for p in paths], data_fingerprint=corpus.fingerprint(),
+             training_documents=None if training_documents is None else
+             hashlib.sha256(np.asarray(training_documents, np.int64).tobytes()).hexdigest()[:16])
     return s
 
 
@@ -1463,7 +1481,8 @@ def plan_run(args, settings, batches, num_workers, state, log):
     if old is None:
         log("resume: the checkpoint predates recorded settings; they are not checked")
     else:
-        diff = [f"{k} {old.get(k)!r} -> {settings.get(k)!r}" for k in DEFINING_SETTINGS if old.get(k) != settings.get(k)]
+        diff = [f"{k} {old.get(k)!r} -> {settings.get(k)!r}" for k in DEFINING_SETTINGS
+                if old.get(k) != settings.get(k) and (k in old or k not in NEWER_SETTINGS)]
         if diff and not args.resume_anyway:
             raise UsageError("--resume: the checkpoint was made with other settings: " + "; ".join(diff)
                              + " (restore them, or pass --resume-anyway to continue regardless)")
@@ -2701,7 +2720,8 @@ def train_on(args, cluster, target_devices, drafter_devices, tc):
     if args.resume and found is None:
         log("resume: no checkpoint in --output-dir yet; starting fresh")
     weights, state = found[1:] if found else (None, None)
-    plan = plan_run(args, run_settings(args, corpus, resolve_data_paths(args.data)), batches, W, state, log)
+    plan = plan_run(args, run_settings(args, corpus, resolve_data_paths(args.data), batches.docs), batches, W, state,
+                    log)
     if found:
         log(f"resume: {found[0]} at step {plan.start_step}, batch {plan.start_cursor}")
     cluster.check_same("[step to resume from, total steps, batches per epoch, batch cursor]",

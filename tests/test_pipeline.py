@@ -397,6 +397,9 @@ def test_resume_with_another_worker_count_continues_the_same_batches(tmp_path, t
     assert tp.main(part + ["--drafter-gpus", "cpu", "--resume", "auto", "--token-budget", "384"]) == 2
     err = capsys.readouterr().err
     assert "token_budget 256 -> 384" in err and "--resume-anyway" in err
+    # another validation split trains on other documents: refused too
+    assert tp.main(part + ["--drafter-gpus", "cpu", "--resume", "auto", "--val-fraction", "0.2"]) == 2
+    assert "training_documents" in capsys.readouterr().err
     # a longer run: continues, and says how the schedule changed
     assert tp.main(part + ["--drafter-gpus", "cpu", "--resume", "auto", "--max-steps", "20"]) == 0
     out = capsys.readouterr().out
@@ -475,6 +478,16 @@ def test_split_validation_is_disjoint_deterministic_and_sized():
     sub = corpus.subset(held)
     assert [sub.doc(i)[0].tolist() for i in range(len(sub))] == [corpus.doc(d)[0].tolist() for d in held]
     assert len(tp.split_validation(corpus, 0.01, seed=1)[1]) == 0  # too few documents to hold any out
+    # documents opening with the same prompt (tokens before the first trained one) stay together
+    ids = np.array([7, 8, 1, 2] * 40 + [int(i) for i in range(100, 120)], dtype=np.int32)  # 40 copies, then 5 others
+    mask = np.array([0, 0, 1, 1] * 45, dtype=np.uint8)
+    corpus = tp.Corpus(ids, mask, np.arange(0, 181, 4), None)
+    for seed in range(20):
+        train, held = tp.split_validation(corpus, 0.1, seed)
+        copies = set(range(40))
+        assert not set(train) & set(held) and len(train) + len(held) == 45
+        assert copies <= set(held) or not copies & set(held), seed  # all 40 copies on one side
+        assert len(held) >= 4
 
 
 def test_split_advice_names_the_bound_stage_and_the_fastest_split():
