@@ -1894,7 +1894,8 @@ class Regeneration:
         self.row_id, self.outs, self.rest, self.error = row_id, [], list(asks), None
 
     def next_turn(self):
-        """Moves the next user turn (and the system turns before it) into outs; False if none."""
+        """Moves the next user turn (and the system turns before it) into outs; False if none is
+        left (the trailing system turns moved all the same)."""
         while self.rest and self.rest[0]["role"] != "user":
             self.outs.append(self.rest.pop(0))
         if self.rest:
@@ -1910,14 +1911,19 @@ def regenerate_rounds(backend, todo, window, summary, progress=None):
     rounds: each round asks the next turn of up to `window` conversations, topped up from todo as
     conversations end, so a round stays full until todo runs out. A turn the backend declines
     as "context" (its history too long to answer) ends the conversation before that user turn;
-    one with no answered turn then fails. Yields, after each round, the conversations that are
-    done (error None) or have failed (they get no further turns). Counts answered turns, tokens
-    and finish reasons into summary."""
+    one with no answered turn then fails. Yields lists of conversations as they end: those done
+    (error None) before each round, those that failed (no further turns) after it. Counts
+    answered turns, tokens and finish reasons into summary."""
     todo, live = deque(todo), []
     while todo or live:
-        while todo and len(live) < window:
-            live.append(Regeneration(*todo.popleft()))
-        asking = [c for c in live if c.next_turn()]
+        asking, done = [], []
+        for c in live:
+            (asking if c.next_turn() else done).append(c)
+        while todo and len(asking) < window:
+            c = Regeneration(*todo.popleft())
+            (asking if c.next_turn() else done).append(c)
+        if done:
+            yield done
         for c, (text, reason, n) in zip(asking, backend([c.outs for c in asking]) if asking else []):
             if reason == "context":
                 summary["finish"][reason] += 1
@@ -1934,13 +1940,10 @@ def regenerate_rounds(backend, todo, window, summary, progress=None):
                 summary["finish"][reason] += 1
                 summary["turns"] += 1
                 summary["tokens"] += n
-        finished = [c for c in live if c.error is not None or not any(m["role"] == "user" for m in c.rest)]
-        for c in finished:
-            if c.error is None:
-                c.outs.extend(c.rest)  # system turns after the last user turn
-        live = [c for c in live if c.error is None and any(m["role"] == "user" for m in c.rest)]
-        if finished:
-            yield finished
+        failed = [c for c in asking if c.error is not None]
+        if failed:
+            yield failed
+        live = [c for c in asking if c.error is None]
 
 
 class EmbeddedBackend:
