@@ -641,9 +641,9 @@ def split_validation(corpus, fraction, seed):
     """(training documents, validation documents): about a fraction of the documents, drawn by
     seed, held out and never trained on; none where that would leave either side empty. The
     documents that open with the same prompt (the tokens before the first trained one; the
-    whole text where none comes before it) are held out together: data the target wrote greedily answers a repeated question (ShareGPT repeats
-    many) with the same text, and a copy left in training would make the held-out figures read
-    memorised text."""
+    whole text where none comes before it) are held out together: data the target wrote
+    greedily answers a repeated question (ShareGPT repeats many) with the same text, and a copy
+    left in training would make the held-out figures read memorised text."""
     n = len(corpus)
     k = int(n * fraction)
     if k < 1 or k >= n:
@@ -1354,7 +1354,6 @@ class DrafterWorker:
 DEFINING_SETTINGS = ("target_model", "data_files", "data_fingerprint", "chat_template_kwargs", "token_budget",
                      "max_length", "num_anchors", "block_size", "num_draft_layers", "layer_ids", "mask_token_id",
                      "seed", "training_documents")
-NEWER_SETTINGS = {"training_documents"}  # checkpoints made before it was recorded lack it: not checked there
 
 
 @dataclasses.dataclass
@@ -1481,8 +1480,11 @@ def plan_run(args, settings, batches, num_workers, state, log):
     if old is None:
         log("resume: the checkpoint predates recorded settings; they are not checked")
     else:
-        diff = [f"{k} {old.get(k)!r} -> {settings.get(k)!r}" for k in DEFINING_SETTINGS
-                if old.get(k) != settings.get(k) and (k in old or k not in NEWER_SETTINGS)]
+        unrecorded = [k for k in DEFINING_SETTINGS if k in settings and k not in old]
+        if unrecorded:  # a checkpoint from before they were recorded
+            log(f"resume: the checkpoint does not record {', '.join(unrecorded)}; not checked")
+        diff = [f"{k} {old[k]!r} -> {settings.get(k)!r}" for k in DEFINING_SETTINGS
+                if k in old and old[k] != settings.get(k)]
         if diff and not args.resume_anyway:
             raise UsageError("--resume: the checkpoint was made with other settings: " + "; ".join(diff)
                              + " (restore them, or pass --resume-anyway to continue regardless)")
