@@ -1165,7 +1165,7 @@ def speculative_generate(model, prompts, max_new_tokens, stop_token_ids=(), draf
             decoder.advance((m + 1) * live)  # the block's first token and its m accepted drafts; finished rows stay
             anchor = pred.gather(1, m[:, None]).squeeze(1)
             # the row's new tokens: its m accepted drafts, then the target's own next one
-            new = torch.where(j < m[:, None], torch.cat([draft, anchor[:, None]], 1), anchor[:, None])
+            new = torch.cat([draft, anchor[:, None]], 1).scatter(1, m[:, None], anchor[:, None])
             kept = (j <= m[:, None]) & live[:, None]
             at = (count[:, None] + j).clamp(max=out.shape[1] - 1)
             out.scatter_(1, at, torch.where(kept, new, out.gather(1, at)))
