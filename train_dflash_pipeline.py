@@ -703,18 +703,27 @@ def document_causal_mask(doc_ids, dtype, sliding_window=None):
 def document_block_mask(doc_ids, sliding_window=None, tile=128):
     """document_visible as flex_attention's BlockMask: tiles of tile x tile (query, key) pairs
     are classified once per batch as fully visible (computed without the rule), partly (the rule
-    evaluated inside the kernel) or not at all (skipped), so no layer reads an [R, L, L] mask."""
+    evaluated inside the kernel) or not at all (skipped), from each tile's first and last
+    document and position, so neither the classification nor any layer touches an [L, L] mask.
+    A row's documents are contiguous with ascending ids (padding, -1, after them all)."""
     from torch.nn.attention.flex_attention import BlockMask
     R, L = doc_ids.shape
     n = -(-L // tile)
-    pos = torch.arange(n * tile, device=doc_ids.device)
-    docs = F.pad(doc_ids, (0, n * tile - L), value=-1)
-    seen = document_visible(pos[:, None], pos[None, :], docs[:, :, None], docs[:, None, :], sliding_window)
-    seen = seen & (pos[:, None] < L)  # [R, q, k]; padded queries see nothing
-    pairs = seen.view(R, n, tile, n, tile).sum((2, 4), dtype=torch.int32)[:, None]  # [R, 1, n, n]
-    full = pairs == tile * tile
-    kv_num, kv_idx = dm.ordered_blocks((pairs > 0) & ~full)
-    full_num, full_idx = dm.ordered_blocks(full)
+    docs = torch.where(doc_ids < 0, torch.iinfo(doc_ids.dtype).max, doc_ids)  # padding last: ascending rows
+    start = torch.arange(n, device=docs.device) * tile  # each tile's first and last position
+    end = (start + tile - 1).clamp(max=L - 1)
+    first, last = docs[:, start], docs[:, end]  # [R, n]: each tile's first and last document
+    q_first, q_last, k_first, k_last = first[:, :, None], last[:, :, None], first[:, None, :], last[:, None, :]
+    # some query sees some key: a document in both tiles (rows ascend), and a key not after a query
+    some = (k_first <= q_last) & (q_first <= k_last) & (start[None, None, :] <= end[None, :, None])
+    # every query sees every key: one document in both, every key before every query, whole tiles
+    full = (q_first == q_last) & (k_first == q_first) & (k_last == q_first) & \
+        (end[None, None, :] <= start[None, :, None]) & ((start + tile <= L)[None, :, None])
+    if sliding_window is not None:
+        some = some & (start[None, :, None] - end[None, None, :] < sliding_window)
+        full = full & (end[None, :, None] - start[None, None, :] < sliding_window)
+    kv_num, kv_idx = dm.ordered_blocks((some & ~full)[:, None])
+    full_num, full_idx = dm.ordered_blocks(full[:, None])
 
     def mask_mod(b, h, q_idx, kv_idx):
         return document_visible(q_idx, kv_idx, doc_ids[b, q_idx.clamp(max=L - 1)],

@@ -178,6 +178,49 @@ def test_packing_deterministic_and_complete():
     assert all(sum(lengths[d] for d in r) <= 32 for r in a)
 
 
+@pytest.mark.parametrize("window", [None, 200])
+def test_document_block_mask_tiles_equal_the_rule_counted_pair_by_pair(window):
+    """The target's BlockMask classifies tiles from their first and last documents and positions;
+    counted pair by pair (document_visible at every query and key) the full tiles are the same,
+    and so are the partial ones without a window (with one, they may be more: the rule inside the
+    kernel still decides)."""
+    g = torch.Generator().manual_seed(0)
+    L, tile = 700, 128
+    rows = []
+    for r in range(6):
+        cuts = sorted(torch.randint(1, L, (r + 1,), generator=g).tolist())
+        doc = torch.full((L,), -1, dtype=torch.long)
+        for i, (s, e) in enumerate(zip([0] + cuts[:-1], cuts)):
+            doc[s:e] = i
+        if r % 2:  # no padding: the last document runs to the end
+            doc[cuts[-1]:] = len(cuts)
+        rows.append(doc)
+    doc_ids = torch.stack(rows)
+    bm = tp.document_block_mask(doc_ids, window, tile)
+    n = -(-L // tile)
+    pos = torch.arange(n * tile)
+    docs = torch.nn.functional.pad(doc_ids, (0, n * tile - L), value=-1)
+    seen = tp.document_visible(pos[:, None], pos[None, :], docs[:, :, None], docs[:, None, :], window)
+    seen = seen & (pos[:, None] < L) & (pos[None, :] < L)
+    pairs = seen.view(len(rows), n, tile, n, tile).sum((2, 4))
+    full_ref, some_ref = pairs == tile * tile, pairs > 0
+
+    def as_map(num, idx):
+        m = torch.zeros(len(rows), n, n, dtype=torch.bool)
+        for r in range(len(rows)):
+            for q in range(n):
+                m[r, q, idx[r, 0, q, :num[r, 0, q]].long()] = True
+        return m
+
+    full = as_map(bm.full_kv_num_blocks, bm.full_kv_indices)
+    some = as_map(bm.kv_num_blocks, bm.kv_indices) | full
+    assert torch.equal(full, full_ref)
+    if window is None:
+        assert torch.equal(some, some_ref)
+    else:
+        assert (some_ref <= some).all()
+
+
 @pytest.mark.parametrize("attention,lengths", [("dense", (7, 12, 5)), ("flex", (7, 12, 5)), ("flex", (140, 260, 3))])
 def test_packed_documents_do_not_see_each_other(tiny_model_dir, attention, lengths):
     """The target stage gives a document the same features packed with others as alone."""
