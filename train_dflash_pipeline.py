@@ -100,7 +100,7 @@ def build_parser():
       help="several machines (torchrun): seconds a machine waits for the others before the run stops")
     a("--cache-dir", default=os.path.join(os.path.expanduser("~"), ".cache", "dflash_train"))
     a("--eval-data", default=None, help="held-out prompts (JSONL) for the final acceptance-length measurement; "
-      "the built-in demo uses MT-Bench")
+      "default with the built-in target: the 80 MT-Bench questions")
     a("--eval-interval", type=int, default=0,
       help="every N steps, measure the real acceptance length on the held-out prompts and log it next to tau_hat; "
       "and the loss, accuracy and tau_hat of the validation documents (else those at the end only)")
@@ -2137,10 +2137,10 @@ def read_prompts(path):
 
 def heldout_prompts(args, tokenizer, n):
     """Prompts the pipeline's final evaluation uses: --eval-data, else MT-Bench for the built-in
-    demo (never in its training data), else none."""
+    target (never in its built-in training data, whichever of them it trains on), else none."""
     if getattr(args, "eval_data", None):
         prompts = read_prompts(args.eval_data)
-    elif args.data == [BUILTIN_DATA]:
+    elif args.target_model == BUILTIN_MODEL:
         prompts = read_prompts(mtbench_file())
     else:
         return []
@@ -2722,7 +2722,6 @@ def train_on(args, cluster, target_devices, drafter_devices, tc):
     log_file, log = open_log(args, cluster)
     if BUILTIN_REGENERATED in args.data:
         args.data = [regenerated_builtin_data(args, log) if p == BUILTIN_REGENERATED else p for p in args.data]
-        args.eval_data = args.eval_data or mtbench_file()
     tokenizer = load_tokenizer(args.target_model)
     corpus, batches, validation = prepare_data(args, tokenizer, tc.vocab_size, log)
     args.mask_token_id = choose_mask_token_id(tokenizer, tc.vocab_size, corpus, args.mask_token_id,

@@ -566,3 +566,20 @@ def test_compiled_target_layers_give_the_same_features(tiny_model_dir):
     batch = {"input_ids": torch.randint(0, 100, (1, 300), generator=g), "doc_ids": doc, "position_ids": pos}
     assert all(getattr(layer, "_compiled_call_impl", None) is not None for layer in dm.decoder_layers(fused.model))
     torch.testing.assert_close(fused.features(batch), plain.features(batch), rtol=1e-4, atol=1e-4)
+
+
+def test_the_built_in_target_is_evaluated_on_mt_bench_whatever_it_trains_on(tmp_path):
+    """The final evaluation of the built-in target defaults to MT-Bench with any --data (the
+    human-reply comparison run typed a file and was evaluated on nothing); --eval-data wins; any
+    other target has no default."""
+    parser = tp.build_parser()
+    data = write_jsonl(tmp_path / "d.jsonl", chat_rows(3))
+    mtbench = tp.read_prompts(tp.mtbench_file())
+    assert len(mtbench) == 80
+    for argv in ([], ["--data", str(data)], ["--data", tp.BUILTIN_DATA]):
+        args = parser.parse_args(argv)
+        assert tp.heldout_prompts(args, None, 80) == [(c, t[:1]) for c, t in mtbench]
+    mine = write_jsonl(tmp_path / "p.jsonl", [{"prompt": "hello there"}])
+    assert tp.heldout_prompts(parser.parse_args(["--data", str(data), "--eval-data", str(mine)]), None, 5) == \
+        [("all", ["hello there"])]
+    assert tp.heldout_prompts(parser.parse_args(["--target-model", "some/model", "--data", str(data)]), None, 5) == []
