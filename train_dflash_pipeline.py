@@ -87,12 +87,13 @@ def build_parser():
     a("--resume-anyway", action="store_true",
       help="resume even where the checkpoint was made with other data or settings (said in the log)")
     a("--compile", action="store_true", help="compile each drafter step and replay it as one CUDA graph")
-    a("--target-attention", choices=("dense", "flex"), default="dense",
+    a("--target-attention", choices=("auto", "dense", "flex"), default="auto",
       help="the target stage's attention over packed documents: dense (transformers' SDPA under an [R, 1, L, L] "
-      "mask) or flex (flex_attention under a document BlockMask: masked tiles skipped; same features)")
-    a("--compile-target", action="store_true",
+      "mask) or flex (flex_attention under a document BlockMask: masked tiles skipped; same features); "
+      "auto: flex on GPUs, dense on CPU")
+    a("--compile-target", action=argparse.BooleanOptionalAction, default=None,
       help="compile the target's decoder layers (inductor) before the stage is warmed up (and, with --compile, "
-      "captured); same features")
+      "captured); same features. Default: on with --compile on GPUs")
     a("--queue-depth", type=int, default=2, help="batches waiting per drafter worker")
     a("--switch-interval", type=float, default=1e-4,
       help="Python thread switch interval (s) on GPU runs: short, so workers are not kept waiting")
@@ -906,6 +907,16 @@ def warm_up_target(replicas, args, log):
         log(f"target: forward captured as a CUDA graph on {[str(r.device) for r in replicas]}")
 
 
+def target_stage_options(args, devices):
+    """(attention, compile_layers) of the target stage: what --target-attention and --compile-target
+    say, their defaults resolved for the devices. flex_attention and inductor pay off on GPUs
+    (docs/benchmarks.md); on CPU their eager and compiled forms are slower than SDPA."""
+    gpu = devices[0].type == "cuda"
+    attention = args.target_attention if args.target_attention != "auto" else ("flex" if gpu else "dense")
+    compile_layers = args.compile_target if args.compile_target is not None else bool(args.compile and gpu)
+    return attention, compile_layers
+
+
 def load_target_replicas(name, devices, layer_ids, log=print, attention="dense", compile_layers=False):
     """One frozen replica per target device, truncated after the deepest captured layer. Also
     returns the target's embedding module and LM head weight (CPU copies) for the drafters."""
@@ -924,7 +935,8 @@ def load_target_replicas(name, devices, layer_ids, log=print, attention="dense",
         replica = model if i == len(devices) - 1 else copy.deepcopy(model)
         replicas.append(TargetReplica(replica.to(dev), layer_ids, dev, attention, compile_layers))
     log(f"target: {type(model).__name__}, {sum(p.numel() for p in model.parameters()) / 1e9:.2f}B parameters; "
-        f"running {keep} of {n_layers} layers on {[str(d) for d in devices]} in {dtype}")
+        f"running {keep} of {n_layers} layers on {[str(d) for d in devices]} in {dtype}; {attention} attention"
+        + (", layers compiled" if compile_layers else ""))
     return replicas, embed, head
 
 
@@ -2753,7 +2765,7 @@ def train_on(args, cluster, target_devices, drafter_devices, tc):
 
     # Models
     replicas, embed, head = load_target_replicas(args.target_model, target_devices, args.layer_ids, log,
-                                                 args.target_attention, args.compile_target)
+                                                 *target_stage_options(args, target_devices))
     drafters = build_drafters(args, tc, drafter_devices, embed, head, log)
     for d in drafters if weights is not None else []:
         d.load_state_dict(weights)

@@ -391,8 +391,9 @@ def pipeline_throughput(a, cfg, replicas, drafter_devices, embed, head, compile,
     args = make_args(a, compile)
     args.layer_ids = replicas[0].layer_ids
     os.makedirs(a.output_dir, exist_ok=True)
-    for r in replicas:
+    for r in replicas:  # compiled: the target as the pipeline runs it by default (layers compiled)
         r.drop_capture()
+        r.set_compiled_layers(compile)
     drafters = [build_drafter(cfg, a, dev, embed, head) for dev in drafter_devices]
     plan = tp.RunPlan(0, 0, len(drafter_devices), {"total_batches": a.pipeline_steps * len(drafter_devices),
                       "warmup_batches": len(drafter_devices)}, {}, {})
@@ -476,7 +477,7 @@ def main():
     p.add_argument("--block", type=int, default=16)
     p.add_argument("--draft-layers", type=int, default=5)
     p.add_argument("--ce-chunk", type=int, default=4096)
-    p.add_argument("--target-attention", choices=("dense", "flex"), default="dense",
+    p.add_argument("--target-attention", choices=("dense", "flex"), default="flex",
                    help="the target stage's attention in the sections after 'target' (which times both)")
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--pipeline-steps", type=int, default=40)

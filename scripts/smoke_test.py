@@ -102,7 +102,7 @@ def main(argv=None):
 
     def target():
         s["replicas"], s["embed"], s["head"] = tp.load_target_replicas(args.target_model, s["targets"], args.layer_ids,
-                                                                       s["log"], args.target_attention)
+                                                                       s["log"], *tp.target_stage_options(args, s["targets"]))
         rows = args.token_budget // args.max_length
         for r in s["replicas"]:
             out = r.features(r.synthetic_batch(rows, args.max_length))

@@ -583,3 +583,13 @@ def test_the_built_in_target_is_evaluated_on_mt_bench_whatever_it_trains_on(tmp_
     assert tp.heldout_prompts(parser.parse_args(["--data", str(data), "--eval-data", str(mine)]), None, 5) == \
         [("all", ["hello there"])]
     assert tp.heldout_prompts(parser.parse_args(["--target-model", "some/model", "--data", str(data)]), None, 5) == []
+
+
+def test_target_stage_defaults_to_flex_compiled_on_gpus_and_typed_flags_win():
+    parser = tp.build_parser()
+    gpu, cpu = [torch.device("cuda", 0)], [torch.device("cpu")]
+    opts = lambda argv, devices: tp.target_stage_options(parser.parse_args(argv), devices)  # noqa: E731
+    assert opts([], cpu) == ("dense", False) and opts(["--compile"], cpu) == ("dense", False)
+    assert opts([], gpu) == ("flex", False) and opts(["--compile"], gpu) == ("flex", True)
+    assert opts(["--compile", "--target-attention", "dense", "--no-compile-target"], gpu) == ("dense", False)
+    assert opts(["--target-attention", "flex", "--compile-target"], cpu) == ("flex", True)
