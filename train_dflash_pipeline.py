@@ -1911,10 +1911,10 @@ def regeneration_prompts(path, done_ids):
 
 class Regeneration:
     """One conversation being regenerated: its messages so far (`outs`), the user and system
-    turns still to come (`rest`), and why it failed, if it did."""
+    turns still to come (`rest`), why it failed, if it did, and why it was skipped, if it was."""
 
     def __init__(self, row_id, asks):
-        self.row_id, self.outs, self.rest, self.error = row_id, [], list(asks), None
+        self.row_id, self.outs, self.rest, self.error, self.skip = row_id, [], list(asks), None, None
 
     def next_turn(self):
         """Moves the next user turn (and the system turns before it) into outs; False if none is
@@ -1934,8 +1934,8 @@ def regenerate_rounds(backend, todo, window, summary, progress=None):
     rounds: each round asks the next turn of up to `window` conversations, topped up from todo as
     conversations end, so a round stays full until todo runs out. A turn the backend declines
     as "context" (its history too long to answer) ends the conversation before that user turn;
-    one with no answered turn then fails. Yields lists of conversations as they end: those done
-    (error None) before each round, those that failed (no further turns) after it. Counts
+    one with no answered turn is then skipped (`skip` says why). Yields lists of conversations as
+    they end: those done (error None) before each round, those that failed after it. Counts
     answered turns, tokens and finish reasons into summary."""
     todo, live = deque(todo), []
     while todo or live:
@@ -1955,7 +1955,7 @@ def regenerate_rounds(backend, todo, window, summary, progress=None):
                     progress(1 + sum(m["role"] == "user" for m in c.rest), 0)
                 c.rest = []
                 if not any(m["role"] == "assistant" for m in c.outs):
-                    c.error = "the first prompt is longer than the context limit"
+                    c.skip = "first prompt longer than the context limit"
             elif text is None:
                 c.error, c.rest = reason, []
             else:
@@ -2076,8 +2076,9 @@ def regenerate(input_path, output, make_backend, window=4096, log=print, desc="r
     """Regenerate every row of input_path not yet in output (regenerate_rounds, `window`
     conversations at a time), appending each conversation to output as soon as it is done (so a
     kill loses only those in progress; a rerun resumes). make_backend(progress) gives the
-    backend. Rows whose generation failed go to <output>.rejects.jsonl with the reason. Returns
-    the summary dict (with a one-line `text`)."""
+    backend. Rows whose generation failed go to <output>.rejects.jsonl with the reason; rows
+    with nothing to answer within the context limit are counted skips. Returns the summary dict
+    (with a one-line `text`)."""
     todo, skipped = regeneration_prompts(input_path, done_regeneration_ids(output))
     for line in skipped.summary()[1:]:
         log(f"input: {line.strip()}")
@@ -2085,11 +2086,14 @@ def regenerate(input_path, output, make_backend, window=4096, log=print, desc="r
     t0 = time.perf_counter()
     backend = make_backend(progress)
     rejects = output + ".rejects.jsonl"
-    summary = {"rows": 0, "turns": 0, "tokens": 0, "finish": Counter(), "rejected": 0, "rejects": rejects}
+    summary = {"rows": 0, "turns": 0, "tokens": 0, "finish": Counter(), "rejected": 0, "rejects": rejects,
+               "skipped": Counter(skipped.skipped_rows)}
     with open(output, "a") as out, open(rejects, "a") as bad:
         for finished in regenerate_rounds(backend, todo, window, summary, progress):
             for c in finished:
-                if c.error is not None:
+                if c.skip is not None:
+                    summary["skipped"][c.skip] += 1
+                elif c.error is not None:
                     summary["rejected"] += 1
                     bad.write(json.dumps({"id": c.row_id, "reason": c.error}) + "\n")
                 else:
@@ -2102,11 +2106,11 @@ def regenerate(input_path, output, make_backend, window=4096, log=print, desc="r
     if not summary["rejected"]:
         os.remove(rejects)
     dt = time.perf_counter() - t0
-    summary["finish"] = dict(summary["finish"])
+    summary["finish"], summary["skipped"] = dict(summary["finish"]), dict(summary["skipped"])
     summary["text"] = (f"regenerated {summary['rows']} conversations ({summary['turns']} turns, {summary['tokens']:,} "
                        f"new tokens, {summary['tokens'] / max(dt, 1e-9):,.0f} tokens/s, {dt:.0f}s) -> {output}; "
-                       f"finish reasons {summary['finish']}; skipped {sum(skipped.skipped_rows.values())} input rows "
-                       f"{skipped.skipped_rows or ''}")
+                       f"finish reasons {summary['finish']}; skipped {sum(summary['skipped'].values())} input rows "
+                       f"{summary['skipped'] or ''}")
     return summary
 
 

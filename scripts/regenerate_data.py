@@ -15,7 +15,7 @@ length, one replica per GPU). Output rows are in the `messages` form the pipelin
 `id` = the input line number. Resumable: a rerun skips ids already in --output; a conversation is
 written once its last turn is done, so a kill loses only the conversations in progress. Rows that
 fail (server errors after the retries) go to <output>.rejects.jsonl with the reason, and the exit
-status is 1.
+status is 1; a conversation whose first prompt is longer than the context limit is a counted skip.
 """
 
 import argparse
@@ -72,7 +72,7 @@ def main(argv=None):
     summary = tp.regenerate(tp.builtin_data(args.input), args.output, make_backend, args.window)
     print(summary["text"])
     if summary["rejected"]:
-        print(f"error: {summary['rejected']} conversations failed after {args.retries} retries; see {summary['rejects']}",
+        print(f"error: {summary['rejected']} conversations failed; their reasons are in {summary['rejects']}",
               file=sys.stderr)
         return 1
     return 0
