@@ -2193,11 +2193,18 @@ def teacher_forced_gains(target, drafter, prompt_ids, generated):
         target(ids)
     taus = drafter.accepted_lengths(torch.cat(feats, -1).to(drafter.fc.weight.dtype), ids,
                                     torch.arange(P, L - 1, device=ids.device)[None])[0].tolist()
+    return taus, replayed_gains(lambda i: taus[i], L - P)
+
+
+def replayed_gains(tau_at, n):
+    """Greedy speculative decoding replayed over a known continuation of n tokens: its first
+    token comes with the prompt, then each block gains tau_at(i) at the i-th token (0-based),
+    the next block starting where that gain ends."""
     gains, i = [], 0
-    while i + 1 < L - P:  # the output has i + 1 tokens
-        gains.append(taus[i])
-        i += taus[i]
-    return taus, gains
+    while i + 1 < n:  # the output has i + 1 tokens
+        gains.append(tau_at(i))
+        i += gains[-1]
+    return gains
 
 
 @torch.no_grad()

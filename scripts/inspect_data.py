@@ -8,7 +8,10 @@ with loss and their share, skipped rows and turns by reason, truncations by reas
 prints K documents with the tokens that carry loss marked (green on a terminal, [[...]]
 otherwise); --dump writes every document as {"input_ids": [...], "loss_mask": [...]}, exactly as
 the pipeline trains on it before packing (the same tokenisation code: train_dflash_pipeline's
-data stage).
+data stage). --lookup replays prompt-lookup decoding (the evaluator's: n-gram up to 3, block
+16, greedy) over every trained span, given the document before it: how much of the data a
+model could copy from its own context, for the first span of each document and the later ones
+(target-written data that loops shows here as high figures and many whole blocks).
 """
 
 import argparse
@@ -17,6 +20,9 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import numpy as np  # noqa: E402
+
+import dflash_model as dm  # noqa: E402
 import train_dflash_pipeline as tp  # noqa: E402
 
 
@@ -34,6 +40,38 @@ def marked(tokenizer, ids, mask, colour):
     return "".join(out)
 
 
+LOOKUP_BLOCK = 16  # the evaluator's block size for prompt lookup: the drafter's
+
+
+def lookup_gains(ids, mask, block_size=LOOKUP_BLOCK):
+    """Prompt lookup replayed over each trained span of a document (each run of loss tokens,
+    given all the document before it): a list of gains lists, one per span in order."""
+    ids, mask = np.asarray(ids), np.asarray(mask, dtype=bool)
+    edges = np.flatnonzero(np.diff(np.concatenate([[0], mask.astype(np.int8), [0]])))
+    out = []
+    for s, e in zip(edges[::2], edges[1::2]):
+        def tau(i, s=s, e=e):
+            proposal = dm.lookup_proposal(ids[:s + i + 1], block_size - 1)
+            truth = ids[s + i + 1:e][:len(proposal)]
+            miss = np.flatnonzero(np.asarray(proposal[:len(truth)]) != truth)
+            return 1 + (int(miss[0]) if len(miss) else len(truth))
+        out.append(tp.replayed_gains(tau, e - s))
+    return out
+
+
+def lookup_summary(spans):
+    """'acceptance A (first spans F, later L); W% of the tokens in whole blocks' over gains lists
+    [(is first span, gains)]."""
+    def mean(gs):
+        gs = [g for x in gs for g in x]
+        return f"{sum(gs) / len(gs):.2f}" if gs else "-"
+    every = [g for _, gs in spans for g in gs]
+    whole = sum(g for g in every if g == LOOKUP_BLOCK)
+    return (f"prompt lookup replayed over the trained spans: acceptance {mean([g for _, g in spans])} "
+            f"(first span of a document {mean([g for f, g in spans if f])}, later spans "
+            f"{mean([g for f, g in spans if not f])}); {whole / max(sum(every), 1):.1%} of the tokens in whole blocks")
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--tokenizer", required=True, help="tokenizer directory or id (the target model's)")
@@ -43,6 +81,7 @@ def main(argv=None):
     p.add_argument("--vocab-size", type=int, default=None, help="default: the tokenizer's size")
     p.add_argument("--dump", default=None, help="write every document here as JSONL")
     p.add_argument("--show", type=int, default=0, help="print this many documents with the trained span marked")
+    p.add_argument("--lookup", action="store_true", help="prompt lookup replayed over the trained spans (see above)")
     args = p.parse_args(argv)
     try:
         kwargs = tp.parse_chat_template_kwargs(args.chat_template_kwargs)
@@ -54,13 +93,17 @@ def main(argv=None):
     vocab = args.vocab_size or len(tokenizer)
     colour = sys.stdout.isatty()
     dump = open(args.dump, "w") if args.dump else None
-    total, shown = tp.DocumentStats(), 0
+    total, shown, all_spans = tp.DocumentStats(), 0, []
     for path in paths:
         docs, stats = tp.read_documents(path, tokenizer, args.max_length, vocab, kwargs)
         total.add(stats)
         print(f"{path}:")
         for line in stats.summary():
             print(f"  {line}")
+        if args.lookup:
+            spans = [(k == 0, g) for ids, mask in docs for k, g in enumerate(lookup_gains(ids, mask))]
+            all_spans += spans
+            print(f"  {lookup_summary(spans)}")
         for ids, mask in docs:
             if dump:
                 dump.write(json.dumps({"input_ids": [int(t) for t in ids], "loss_mask": [int(m) for m in mask]}) + "\n")
@@ -73,6 +116,8 @@ def main(argv=None):
         print("all files:")
         for line in total.summary():
             print(f"  {line}")
+        if args.lookup:
+            print(f"  {lookup_summary(all_spans)}")
     if dump:
         dump.close()
         print(f"documents written to {args.dump}")

@@ -218,6 +218,26 @@ def test_inspect_data_dumps_what_the_pipeline_trains(tmp_path, capsys):
         assert d["input_ids"] == ids.tolist() and d["loss_mask"] == mask.tolist()
 
 
+def test_inspect_data_replays_prompt_lookup_over_each_trained_span(tmp_path, capsys):
+    """A span that repeats the document before it: one block gains the 5 tokens that followed
+    the anchor's earlier occurrence plus its own (6), and the 7-token span is done; a span with
+    nothing to copy gains 1 a block. Worked by hand (lookup: the most recent earlier match of the
+    last 3, 2, then 1 tokens; the first token of a span comes with its prompt)."""
+    from scripts import inspect_data
+    ids = [5, 6, 7, 8, 9] + [5, 6, 7, 8, 9, 5, 6] + [100] + [200, 201, 202]
+    mask = [0] * 5 + [1] * 7 + [0] + [1] * 3
+    assert inspect_data.lookup_gains(ids, mask) == [[6], [1, 1]]
+    line = inspect_data.lookup_summary([(True, [6]), (False, [1, 1])])
+    assert "acceptance 2.67 (first span of a document 6.00, later spans 1.00); 0.0% of the tokens in whole blocks" in line
+    assert "100.0% of the tokens in whole blocks" in inspect_data.lookup_summary([(True, [16, 16])])
+    from test_pipeline import chat_rows
+    tok_dir = tmp_path / "tok"
+    tiny_tokenizer().save_pretrained(tok_dir)
+    path = write_jsonl(tmp_path / "d.jsonl", chat_rows(5))
+    assert inspect_data.main(["--tokenizer", str(tok_dir), "--data", path, "--lookup"]) == 0
+    assert "prompt lookup replayed over the trained spans: acceptance" in capsys.readouterr().out
+
+
 # --- mask token ------------------------------------------------------------------------------
 
 def corpus_of(ids):
