@@ -1059,6 +1059,15 @@ def lookup_proposal(seq, max_tokens, max_ngram=3):
     return []
 
 
+def lookup_accepted(ids, anchor, end, block_size):
+    """Tokens greedy verification would gain drafting by prompt lookup at `anchor` of a known
+    sequence (ids, a numpy array): 1 + the leading proposed tokens equal to ids[anchor + 1:end]."""
+    proposal = lookup_proposal(ids[:anchor + 1], block_size - 1)
+    truth = ids[anchor + 1:end][:len(proposal)]
+    miss = np.flatnonzero(np.asarray(proposal[:len(truth)]) != truth)
+    return 1 + (int(miss[0]) if len(miss) else len(truth))
+
+
 class DrafterContext:
     """The drafter beside a BatchDecoder: its context keys/values per draft layer [B, kv heads,
     slots, head dim] at the target's slots (the rows' verified slots are what a block sees), and

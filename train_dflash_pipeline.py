@@ -2224,6 +2224,18 @@ def near_tie(target, prompt, reference, output, first):
     return gap <= tolerance, gap
 
 
+def where_lookup_copies(drafter_taus, lookup_taus, block_size):
+    """The drafter's teacher-forced tau_hat split by whether prompt lookup would gain at least
+    half a block at the same token (the answer copies itself or its prompt there): does the
+    drafter follow text it could copy from its context?"""
+    copying = [l >= block_size // 2 for l in lookup_taus]
+    mean = lambda xs: sum(xs) / len(xs) if xs else float("nan")  # noqa: E731
+    return {"lookup_copies_share": sum(copying) / max(len(copying), 1),
+            "lookup_tau_hat_where_it_copies": mean([l for l, c in zip(lookup_taus, copying) if c]),
+            "teacher_forced_tau_hat_where_lookup_copies": mean([t for t, c in zip(drafter_taus, copying) if c]),
+            "teacher_forced_tau_hat_elsewhere": mean([t for t, c in zip(drafter_taus, copying) if not c])}
+
+
 def acceptance_summary(gains_by_category):
     """Mean tokens per verification step overall and per category, and their histogram."""
     every = [g for v in gains_by_category.values() for g in v]
@@ -2243,7 +2255,7 @@ def evaluate_models(target, tokenizer, drafter, prompts, device, max_new_tokens,
     seconds = {"greedy": 0.0, "drafter": 0.0, "lookup": 0.0}
     mismatches, histories = [], [[] for _ in prompts]
     generated = forwards = 0
-    tf_taus, tf_gains = [], []
+    tf_taus, tf_gains, lookup_taus = [], [], []
     bar = tqdm(total=3 * sum(len(turns) for _, turns in prompts), unit="answer", desc="eval",
                disable=None if show_progress else True)
     for k in range(max(len(turns) for _, turns in prompts)):
@@ -2286,11 +2298,15 @@ def evaluate_models(target, tokenizer, drafter, prompts, device, max_new_tokens,
             taus, replayed = teacher_forced_gains(target, drafter, torch.tensor([ids[j]], device=device), reference)
             tf_taus += taus
             tf_gains += replayed
+            seq = np.asarray(list(ids[j]) + list(reference))
+            lookup_taus += [dm.lookup_accepted(seq, len(ids[j]) + n, len(seq), drafter.block_size)
+                            for n in range(len(taus))]
             generated += len(reference)
             forwards += 1 + len(runs["drafter"][j][1])  # prefill + one verification per block
             if not isinstance(prompts[i][1][k], list):
                 histories[i].append({"role": "assistant", "content": tokenizer.decode(reference, skip_special_tokens=True)})
     bar.close()
+    copies = where_lookup_copies(tf_taus, lookup_taus, drafter.block_size)
     acceptance, per_category, histogram = acceptance_summary(gains["drafter"])
     lookup, lookup_per_category, lookup_histogram = acceptance_summary(gains["lookup"])
     report = {
@@ -2302,6 +2318,7 @@ def evaluate_models(target, tokenizer, drafter, prompts, device, max_new_tokens,
         # real decoding replayed over its taus (= acceptance_length but for the answers' last blocks)
         "teacher_forced_tau_hat": sum(tf_taus) / max(len(tf_taus), 1),
         "teacher_forced_acceptance_length": sum(tf_gains) / max(len(tf_gains), 1),
+        **copies,
         "speedup_vs_greedy": seconds["greedy"] / max(seconds["drafter"], 1e-9),
         "prompt_lookup_speedup_vs_greedy": seconds["greedy"] / max(seconds["lookup"], 1e-9),
         "greedy_s": seconds["greedy"], "speculative_s": seconds["drafter"], "prompt_lookup_s": seconds["lookup"],
@@ -2314,7 +2331,10 @@ def evaluate_models(target, tokenizer, drafter, prompts, device, max_new_tokens,
     log(f"eval: acceptance length {acceptance:.2f} (prompt lookup {lookup:.2f}) on {report['answers']} answers; "
         f"histogram {histogram}; teacher-forced on the target's own outputs: tau_hat "
         f"{report['teacher_forced_tau_hat']:.2f}, "
-        f"decoding replayed {report['teacher_forced_acceptance_length']:.2f}; speed-up over greedy {report['speedup_vs_greedy']:.2f}x "
+        f"decoding replayed {report['teacher_forced_acceptance_length']:.2f}; where prompt lookup copies "
+        f"({copies['lookup_copies_share']:.0%} of the tokens; its tau {copies['lookup_tau_hat_where_it_copies']:.2f}) "
+        f"the drafter's tau_hat is {copies['teacher_forced_tau_hat_where_lookup_copies']:.2f}, elsewhere "
+        f"{copies['teacher_forced_tau_hat_elsewhere']:.2f}; speed-up over greedy {report['speedup_vs_greedy']:.2f}x "
         f"(prompt lookup {report['prompt_lookup_speedup_vs_greedy']:.2f}x) at batch {batch_size}; "
         f"lossless: {report['lossless']}" + (f" ({report['near_ties']} outputs part at a near-tie of the target's "
                                              "logits: rounding)" if report["near_ties"] else ""))

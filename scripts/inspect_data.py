@@ -50,12 +50,7 @@ def lookup_gains(ids, mask, block_size=LOOKUP_BLOCK):
     edges = np.flatnonzero(np.diff(np.concatenate([[0], mask.astype(np.int8), [0]])))
     out = []
     for s, e in zip(edges[::2], edges[1::2]):
-        def tau(i, s=s, e=e):
-            proposal = dm.lookup_proposal(ids[:s + i + 1], block_size - 1)
-            truth = ids[s + i + 1:e][:len(proposal)]
-            miss = np.flatnonzero(np.asarray(proposal[:len(truth)]) != truth)
-            return 1 + (int(miss[0]) if len(miss) else len(truth))
-        out.append(tp.replayed_gains(tau, e - s))
+        out.append(tp.replayed_gains(lambda i, s=s, e=e: dm.lookup_accepted(ids, s + i, e, block_size), e - s))
     return out
 
 

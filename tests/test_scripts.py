@@ -85,6 +85,27 @@ def test_prompt_lookup_on_a_continuation_that_repeats_the_prompt():
     assert dm.lookup_proposal([1, 2, 7, 8, 2], 3) == [7, 8, 2] and dm.lookup_proposal([1, 2, 3], 3) == []
 
 
+def test_eval_splits_the_drafter_tau_where_prompt_lookup_copies():
+    """The report's split of the teacher-forced tau_hat by whether prompt lookup copies there,
+    on the counter target over 16 tokens (prompt 0..9, pre-tokenised; answer token i is
+    (10 + i) % 16). Worked by hand: lookup finds nothing for the answer's first six tokens
+    (10..15), then the earlier 0..15 at every token from the 0 on, gaining 1 + min(15, 31 - i)."""
+    from types import SimpleNamespace
+    target = counter_target(16)
+    cfg = dm.make_drafter_config(target.config, mask_token_id=15, num_draft_layers=1, block_size=16,
+                                 target_layer_ids=[1])
+    torch.manual_seed(0)
+    drafter = dm.DFlashDraftModel(cfg).attach_target(target).eval()
+    r = tp.evaluate_models(target, SimpleNamespace(eos_token_id=None), drafter, [("a", [list(range(10))])], "cpu", 32,
+                           log=lambda *a: None, batch_size=1, show_progress=False)
+    assert r["lossless"] and r["generated_tokens"] == 32
+    lookup = [1 if i < 6 else 1 + min(15, 31 - i) for i in range(31)]  # at every answer token with a next one
+    copying = [g for g in lookup if g >= 8]
+    assert r["lookup_copies_share"] == pytest.approx(len(copying) / 31)
+    assert r["lookup_tau_hat_where_it_copies"] == pytest.approx(sum(copying) / len(copying))
+    assert 1 <= r["teacher_forced_tau_hat_where_lookup_copies"] <= 16 and 1 <= r["teacher_forced_tau_hat_elsewhere"] <= 16
+
+
 def test_teacher_forced_tau_matches_real_acceptance_per_block(models):
     """Teacher-forced tau at an anchor equals what the inference path accepts drafting at that
     anchor against the same text (train/serve agreement of the metric). The text is built so
