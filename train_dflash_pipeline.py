@@ -2229,7 +2229,7 @@ def where_lookup_copies(drafter_taus, lookup_taus, block_size):
     half a block at the same token (the answer copies itself or its prompt there): does the
     drafter follow text it could copy from its context?"""
     copying = [l >= block_size // 2 for l in lookup_taus]
-    mean = lambda xs: sum(xs) / len(xs) if xs else float("nan")  # noqa: E731
+    mean = lambda xs: sum(xs) / len(xs) if xs else None  # noqa: E731  (None: no such token; null in the JSON)
     return {"lookup_copies_share": sum(copying) / max(len(copying), 1),
             "lookup_tau_hat_where_it_copies": mean([l for l, c in zip(lookup_taus, copying) if c]),
             "teacher_forced_tau_hat_where_lookup_copies": mean([t for t, c in zip(drafter_taus, copying) if c]),
@@ -2328,13 +2328,14 @@ def evaluate_models(target, tokenizer, drafter, prompts, device, max_new_tokens,
         "lossless": not [m for m in mismatches if not m["near_tie"]], "mismatches": mismatches,
         "near_ties": sum(m["near_tie"] for m in mismatches),
     }
+    fmt = lambda x: "-" if x is None else f"{x:.2f}"  # noqa: E731
     log(f"eval: acceptance length {acceptance:.2f} (prompt lookup {lookup:.2f}) on {report['answers']} answers; "
         f"histogram {histogram}; teacher-forced on the target's own outputs: tau_hat "
         f"{report['teacher_forced_tau_hat']:.2f}, "
         f"decoding replayed {report['teacher_forced_acceptance_length']:.2f}; where prompt lookup copies "
-        f"({copies['lookup_copies_share']:.0%} of the tokens; its tau {copies['lookup_tau_hat_where_it_copies']:.2f}) "
-        f"the drafter's tau_hat is {copies['teacher_forced_tau_hat_where_lookup_copies']:.2f}, elsewhere "
-        f"{copies['teacher_forced_tau_hat_elsewhere']:.2f}; speed-up over greedy {report['speedup_vs_greedy']:.2f}x "
+        f"({copies['lookup_copies_share']:.0%} of the tokens; its tau {fmt(copies['lookup_tau_hat_where_it_copies'])}) "
+        f"the drafter's tau_hat is {fmt(copies['teacher_forced_tau_hat_where_lookup_copies'])}, elsewhere "
+        f"{fmt(copies['teacher_forced_tau_hat_elsewhere'])}; speed-up over greedy {report['speedup_vs_greedy']:.2f}x "
         f"(prompt lookup {report['prompt_lookup_speedup_vs_greedy']:.2f}x) at batch {batch_size}; "
         f"lossless: {report['lossless']}" + (f" ({report['near_ties']} outputs part at a near-tie of the target's "
                                              "logits: rounding)" if report["near_ties"] else ""))
