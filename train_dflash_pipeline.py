@@ -1646,7 +1646,8 @@ class Run:
             self.pbar.update(1)
         a = self.args
         main, last = self.cluster.is_main, step == self.total_steps
-        eval_step = bool(a.eval_interval) and step % a.eval_interval == 0
+        # the last step's acceptance is the final evaluation's (not measured twice)
+        eval_step = bool(a.eval_interval) and step % a.eval_interval == 0 and not (last and a.eval_prompts > 0)
         val_step = eval_step or last or (bool(a.val_interval) and step % a.val_interval == 0)
         # Every machine logs on the same steps (the figures are summed across machines); only the
         # first evaluates and saves.

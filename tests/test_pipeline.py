@@ -250,9 +250,11 @@ def test_eval_interval_logs_measured_acceptance_next_to_tau_hat(tmp_path, tiny_m
                 "--eval-prompts", "2")
     assert r.returncode == 0, r.stderr
     evals = [x for x in metrics(tmp_path) if "eval_acceptance_length" in x]
-    assert [x["step"] for x in evals] == [3, 6]
+    assert [x["step"] for x in evals] == [3]  # step 6, the last: the final evaluation's, measured once
     assert all(x["eval_lossless"] and x["eval_acceptance_length"] >= 1.0 for x in evals)
-    assert "acceptance length" in r.stdout and "tau_hat" in r.stdout
+    assert r.stdout.count("eval step") == 1 and "eval: acceptance length" in r.stdout and "tau_hat" in r.stdout
+    with open(tmp_path / "out" / "final" / "eval_acceptance.json") as f:
+        assert json.load(f)["lossless"]
 
 
 def test_sigterm_saves_and_exits_cleanly(tmp_path, tiny_model_dir):
