@@ -95,8 +95,10 @@ def main(argv=None):
         print(f"{path}:")
         for line in stats.summary():
             print(f"  {line}")
-        if args.lookup:
-            spans = [(k == 0, g) for ids, mask in docs for k, g in enumerate(lookup_gains(ids, mask))]
+        if args.lookup:  # minutes for millions of tokens: a progress bar
+            from tqdm import tqdm
+            spans = [(k == 0, g) for ids, mask in tqdm(docs, desc="prompt lookup", unit="doc", leave=False)
+                     for k, g in enumerate(lookup_gains(ids, mask))]
             all_spans += spans
             print(f"  {lookup_summary(spans)}")
         for ids, mask in docs:
