@@ -391,9 +391,9 @@ def pipeline_throughput(a, cfg, replicas, drafter_devices, embed, head, compile,
     args = make_args(a, compile)
     args.layer_ids = replicas[0].layer_ids
     os.makedirs(a.output_dir, exist_ok=True)
-    for r in replicas:  # compiled: the target as the pipeline runs it by default (layers compiled)
+    for r in replicas:  # the target's layers compiled or not as the pipeline's defaults say
         r.drop_capture()
-        r.set_compiled_layers(compile)
+        r.set_compiled_layers(tp.target_stage_options(args, [r.device])[1])
     drafters = [build_drafter(cfg, a, dev, embed, head) for dev in drafter_devices]
     plan = tp.RunPlan(0, 0, len(drafter_devices), {"total_batches": a.pipeline_steps * len(drafter_devices),
                       "warmup_batches": len(drafter_devices)}, {}, {})

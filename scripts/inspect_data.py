@@ -43,28 +43,25 @@ def marked(tokenizer, ids, mask, colour):
 LOOKUP_BLOCK = 16  # the evaluator's block size for prompt lookup: the drafter's
 
 
-def lookup_gains(ids, mask, block_size=LOOKUP_BLOCK):
+def lookup_gains(ids, mask):
     """Prompt lookup replayed over each trained span of a document (each run of loss tokens,
     given all the document before it): a list of gains lists, one per span in order."""
     ids, mask = np.asarray(ids), np.asarray(mask, dtype=bool)
     edges = np.flatnonzero(np.diff(np.concatenate([[0], mask.astype(np.int8), [0]])))
-    out = []
-    for s, e in zip(edges[::2], edges[1::2]):
-        out.append(tp.replayed_gains(lambda i, s=s, e=e: dm.lookup_accepted(ids, s + i, e, block_size), e - s))
-    return out
+    return [tp.replayed_gains(lambda i, s=s, e=e: dm.lookup_accepted(ids, s + i, e, LOOKUP_BLOCK), e - s)
+            for s, e in zip(edges[::2], edges[1::2])]
 
 
 def lookup_summary(spans):
     """'acceptance A (first spans F, later L); W% of the tokens in whole blocks' over gains lists
     [(is first span, gains)]."""
-    def mean(gs):
-        gs = [g for x in gs for g in x]
-        return f"{sum(gs) / len(gs):.2f}" if gs else "-"
-    every = [g for _, gs in spans for g in gs]
+    first = [g for is_first, gains in spans if is_first for g in gains]
+    later = [g for is_first, gains in spans if not is_first for g in gains]
+    every = first + later
+    mean = lambda gs: f"{sum(gs) / len(gs):.2f}" if gs else "-"  # noqa: E731
     whole = sum(g for g in every if g == LOOKUP_BLOCK)
-    return (f"prompt lookup replayed over the trained spans: acceptance {mean([g for _, g in spans])} "
-            f"(first span of a document {mean([g for f, g in spans if f])}, later spans "
-            f"{mean([g for f, g in spans if not f])}); {whole / max(sum(every), 1):.1%} of the tokens in whole blocks")
+    return (f"prompt lookup replayed over the trained spans: acceptance {mean(every)} (first span of a document "
+            f"{mean(first)}, later spans {mean(later)}); {whole / max(sum(every), 1):.1%} of the tokens in whole blocks")
 
 
 def main(argv=None):
