@@ -2424,10 +2424,21 @@ def builtin_model_dir(name=BUILTIN_MODEL):
         raise RuntimeError(f"GGUF conversion: missing {missing}, unexpected {unexpected}")
     model.tie_weights()
     tokenizer = AutoTokenizer.from_pretrained(os.path.dirname(gguf), gguf_file=os.path.basename(gguf))
-    tmp = out + ".tmp"
+    tmp = f"{out}.tmp{os.getpid()}"  # per process: two runs started together each convert
     model.save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
-    os.replace(tmp, out)
+    return publish_directory(tmp, out, "config.json")
+
+
+def publish_directory(tmp, out, marker):
+    """Move the finished directory tmp to out in one step. Where another process got there first
+    (out holds its marker file), its copy is the same and tmp is dropped."""
+    try:
+        os.replace(tmp, out)
+    except OSError:
+        if not os.path.isfile(os.path.join(out, marker)):
+            raise
+        shutil.rmtree(tmp)
     return out
 
 

@@ -357,3 +357,23 @@ def test_builtin_prompts_keep_the_demo_conversations_first_then_add_the_long_one
     prompts = [json.loads(l) for l in open(tp.builtin_data(tp.BUILTIN_PROMPTS))]
     assert prompts == [rows[0], rows[3], rows[5], rows[1]]  # then the long reply; not é, not 4500 user chars
     assert tp.builtin_data("my.jsonl") == "my.jsonl"
+
+
+def test_publish_directory_second_process_takes_the_first_copy(tmp_path):
+    # Two runs started together each convert the built-in model; the later one keeps the first copy.
+    out = tmp_path / "model"
+    first, second = tmp_path / "model.tmp1", tmp_path / "model.tmp2"
+    for d, text in ((first, "first"), (second, "second")):
+        d.mkdir()
+        (d / "config.json").write_text(text)
+    assert tp.publish_directory(str(first), str(out), "config.json") == str(out)
+    assert tp.publish_directory(str(second), str(out), "config.json") == str(out)
+    assert (out / "config.json").read_text() == "first" and not second.exists() and not first.exists()
+    # a non-empty directory without the marker is not a finished copy: the error stands
+    (tmp_path / "broken").mkdir()
+    (tmp_path / "broken" / "partial.bin").write_text("x")
+    third = tmp_path / "model.tmp3"
+    third.mkdir()
+    (third / "config.json").write_text("third")
+    with pytest.raises(OSError):
+        tp.publish_directory(str(third), str(tmp_path / "broken"), "config.json")
