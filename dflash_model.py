@@ -534,14 +534,18 @@ class DFlashDraftModel(nn.Module):
         return ce.view(B, num_anchors, bs - 1), correct.view(B, num_anchors, bs - 1), label_ok
 
     @torch.no_grad()
-    def accepted_lengths(self, target_hidden, input_ids, anchors, ce_chunk_size=4096):
-        """Teacher-forced, one document per row: the tokens greedy verification would gain at each
-        anchor [B, A] (1 + the leading slots whose greedy draft equals the tokens that follow)."""
+    def accepted_lengths(self, target_hidden, input_ids, anchors, loss_mask=None, doc_ids=None, position_ids=None,
+                         ce_chunk_size=4096, attention="sdpa"):
+        """Teacher-forced: the tokens greedy verification would gain at each anchor [B, A] (1 + the
+        leading slots whose greedy draft equals the tokens that follow, inside the anchor's
+        document and loss mask). Without the packing tensors: one document per row, all counted."""
         B, L = input_ids.shape
-        ones = torch.ones(B, L, device=input_ids.device)
+        if loss_mask is None:
+            loss_mask, doc_ids = torch.ones(B, L, device=input_ids.device), torch.zeros_like(input_ids)
+            position_ids = torch.arange(L, device=input_ids.device).expand(B, L)
         _, correct, label_ok = self.block_predictions(
-            target_hidden, input_ids, ones, torch.zeros_like(input_ids), torch.arange(L, device=input_ids.device).expand(B, L),
-            anchors, torch.ones_like(anchors, dtype=torch.bool), ce_chunk_size)
+            target_hidden, input_ids, loss_mask, doc_ids, position_ids, anchors,
+            torch.ones_like(anchors, dtype=torch.bool), ce_chunk_size, attention)
         return 1 + (correct & label_ok).long().cumprod(-1).sum(-1)
 
     @staticmethod

@@ -234,6 +234,7 @@ def test_pipeline_compiled_end_to_end(tmp_path, tiny_model_dir, layout):
     assert train[-1]["loss"] < train[0]["loss"]
     # the held-out rows scored eagerly beside the captured step, which goes on unharmed
     assert [x["step"] for x in val] == [10, 20] and val[1]["val_loss"] < val[0]["val_loss"]
+    assert all(1.0 <= x["val_acceptance_length"] <= 16 for x in val)  # replayed in chunks of the step's shape
     assert os.path.exists(tmp_path / "o" / "final" / "model.safetensors")
 
 

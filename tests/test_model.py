@@ -512,13 +512,9 @@ def test_near_tie_is_rounding_at_the_scale_of_the_rows_logits():
     assert tp.near_tie(Fixed(row), [5], [1], [2], 0)[0] is False
 
 
-def test_decoding_replayed_over_teacher_forced_taus_gives_the_measured_gains():
-    """Train = serve for the drafter: the taus its training path computes on the target's greedy
-    output, replayed as greedy decoding would visit them, give the gains that real speculative
-    decoding (the inference path: KV cache, draft_logits) measured, block for block, but for the
-    last block of each answer (its drafts past the end are unknown to the replay). The drafter is
-    trained briefly on the counter target so that its gains vary (1 to block size)."""
-    import train_dflash_pipeline as tp
+def counter_drafter():
+    """The counter target and a drafter trained briefly on it, so that its gains vary (1 to the
+    block size, 6)."""
     from conftest import counter_target
     torch.manual_seed(0)
     V = 64
@@ -536,7 +532,16 @@ def test_decoding_replayed_over_teacher_forced_taus_gives_the_measured_gains():
         opt.zero_grad()
         loss.backward()
         opt.step()
-    drafter.eval()
+    return target, drafter.eval()
+
+
+def test_decoding_replayed_over_teacher_forced_taus_gives_the_measured_gains():
+    """Train = serve for the drafter: the taus its training path computes on the target's greedy
+    output, replayed as greedy decoding would visit them, give the gains that real speculative
+    decoding (the inference path: KV cache, draft_logits) measured, block for block, but for the
+    last block of each answer (its drafts past the end are unknown to the replay)."""
+    import train_dflash_pipeline as tp
+    target, drafter = counter_drafter()
     prompts = [[5, 6, 7], [20, 21], [40, 41, 42, 43]]
     measured = dm.speculative_generate(target, prompts, 30, (), drafter=drafter, batch_size=2, graph=False)
     seen = set()
@@ -545,3 +550,57 @@ def test_decoding_replayed_over_teacher_forced_taus_gives_the_measured_gains():
         assert replayed[:-1] == gains[:-1] and replayed[-1] <= gains[-1], (replayed, gains)
         seen |= set(gains)
     assert len(seen) >= 3 and max(seen) == 6, seen  # gains of several sizes, some whole blocks
+
+
+def test_validation_replay_over_a_packed_row_equals_the_evaluations_replay_per_answer():
+    """The held-out 'decoding replayed' figure: on a packed row (four documents, prompts and a
+    second user turn untrained, padding) the gains equal those the evaluation path replays for
+    each answer alone, given everything before it in its document as the prompt (the test above
+    ties that path to real decoding). num_anchors 7 leaves a part-filled last chunk."""
+    import train_dflash_pipeline as tp
+    target, drafter = counter_drafter()
+    V = target.config.vocab_size
+    greedy = lambda last, n: [(last + 1 + k) % V for k in range(n)]  # noqa: E731  (the counter's answers)
+    # One counting sequence throughout, user turns and document starts included, so that a draft
+    # running on past an answer's end (into the next turn or document) would be counted right
+    # unless the loss mask and the document boundaries stop it.
+    docs, last = [], 2  # (tokens, trained flags)
+    # the last document starts inside an answer (the second piece of one split to fit a row)
+    for turns in ([(4, 20)], [(2, 11), (3, 17)], [(5, 9)], [(0, 8)]):
+        ids, trained = [], []
+        for user, answer in turns:
+            ids += greedy(last, user) + greedy(last + user, answer)
+            trained += [0] * user + [1] * answer
+            last = ids[-1]
+        docs.append((ids, trained))
+    L = sum(len(d) for d, _ in docs) + 5
+    row = {k: [] for k in ("input_ids", "loss_mask", "doc_ids", "position_ids")}
+    for n, (ids, trained) in enumerate(docs):
+        row["input_ids"] += ids; row["loss_mask"] += trained; row["doc_ids"] += [n] * len(ids)
+        row["position_ids"] += list(range(len(ids)))
+    pad = L - len(row["input_ids"])
+    row["input_ids"] += [0] * pad; row["loss_mask"] += [0] * pad; row["doc_ids"] += [len(docs)] * pad
+    row["position_ids"] += list(range(pad))
+    ids = torch.tensor([row["input_ids"]])
+    with torch.no_grad(), dm.capture_layer_outputs(target, drafter.target_layer_ids) as feats:
+        target(ids)  # the counter target's layer outputs do not depend on the context: packing is exact
+    taus = tp.accepted_lengths_everywhere(drafter, torch.cat(feats, -1), ids, torch.tensor([row["loss_mask"]]).float(),
+                                          torch.tensor([row["doc_ids"]]), torch.tensor([row["position_ids"]]), 7)
+    packed = tp.replayed_over_answers(taus.tolist(), row["loss_mask"], row["doc_ids"])
+    alone = []
+    for ids_doc, trained in docs:
+        s = 0
+        while s < len(ids_doc):
+            if not trained[s]:
+                s += 1
+                continue
+            e = s
+            while e < len(ids_doc) and trained[e]:
+                e += 1
+            alone += tp.teacher_forced_gains(target, drafter, torch.tensor([ids_doc[:s]], dtype=torch.long), ids_doc[s:e])[1]
+            s = e
+    assert packed == alone, (packed, alone)
+    answers = (20, 11, 17, 9, 8)  # each replay covers its answer: it stops at n - 1 or n tokens
+    assert sum(n - 1 for n in answers) <= sum(packed) <= sum(answers) and len(set(packed)) >= 3, packed
+    # two answers side by side in two documents are two replays, each with its first token given
+    assert tp.replayed_over_answers([1] * 6, [1] * 6, [0, 0, 0, 1, 1, 1]) == [1, 1, 1, 1]
