@@ -515,38 +515,52 @@ class DFlashDraftModel(nn.Module):
         """(cross-entropy, greedy draft correct, label counts) [B, A, bs - 1] for slots 1.. of the
         blocks at anchors [B, A]."""
         bs = self.block_size
-        B, L = input_ids.shape
-        num_anchors = anchors.shape[1]
+        B, num_anchors = anchors.shape
         hidden = self.block_hidden(target_hidden, input_ids, doc_ids, position_ids, anchors, attention)
-        # Slot k of the block at a predicts token a + k (k >= 1), inside the row and the document.
+        labels, label_ok = self.block_labels(input_ids, loss_mask, doc_ids, anchors, anchor_valid)
         # Slot 0 holds the anchor token itself and predicts nothing: it gets no logits.
-        slot = torch.arange(1, bs, device=anchors.device)
-        idx = anchors[:, :, None] + slot
-        in_row = idx < L
-        idx = idx.clamp(max=L - 1)
-        flat = lambda t: t.gather(1, idx.view(B, -1)).view(B, -1, bs - 1)
-        labels = flat(input_ids)
-        anchor_doc = doc_ids.gather(1, anchors)[:, :, None]
-        label_ok = in_row & (flat(doc_ids) == anchor_doc) & flat(loss_mask).bool() & anchor_valid[:, :, None]
         predicting = hidden.view(B, num_anchors, bs, -1)[:, :, 1:].reshape(B * num_anchors * (bs - 1), -1)
         ce, correct = lm_head_ce(predicting, self.lm_head_weight, labels.reshape(-1), ce_chunk_size,
                               torch.is_grad_enabled() and predicting.requires_grad)
         return ce.view(B, num_anchors, bs - 1), correct.view(B, num_anchors, bs - 1), label_ok
+
+    def block_labels(self, input_ids, loss_mask, doc_ids, anchors, anchor_valid):
+        """(labels, whether each counts) [B, A, bs - 1]: slot k of the block at a predicts token
+        a + k (k >= 1), which counts inside the row, the anchor's document and the loss mask."""
+        B, L = input_ids.shape
+        idx = anchors[:, :, None] + torch.arange(1, self.block_size, device=anchors.device)
+        in_row = idx < L
+        idx = idx.clamp(max=L - 1)
+        flat = lambda t: t.gather(1, idx.view(B, -1)).view(B, -1, self.block_size - 1)  # noqa: E731
+        anchor_doc = doc_ids.gather(1, anchors)[:, :, None]
+        return flat(input_ids), in_row & (flat(doc_ids) == anchor_doc) & flat(loss_mask).bool() & anchor_valid[:, :, None]
 
     @torch.no_grad()
     def accepted_lengths(self, target_hidden, input_ids, anchors, loss_mask=None, doc_ids=None, position_ids=None,
                          ce_chunk_size=4096, attention="sdpa"):
         """Teacher-forced: the tokens greedy verification would gain at each anchor [B, A] (1 + the
         leading slots whose greedy draft equals the tokens that follow, inside the anchor's
-        document and loss mask). Without the packing tensors: one document per row, all counted."""
+        document and loss mask). Without the packing tensors: one document per row, all counted.
+        Slot by slot, the LM head only for blocks still right so far: it is most of the cost."""
         B, L = input_ids.shape
         if loss_mask is None:
             loss_mask, doc_ids = torch.ones(B, L, device=input_ids.device), torch.zeros_like(input_ids)
             position_ids = torch.arange(L, device=input_ids.device).expand(B, L)
-        _, correct, label_ok = self.block_predictions(
-            target_hidden, input_ids, loss_mask, doc_ids, position_ids, anchors,
-            torch.ones_like(anchors, dtype=torch.bool), ce_chunk_size, attention)
-        return 1 + (correct & label_ok).long().cumprod(-1).sum(-1)
+        hidden = self.block_hidden(target_hidden, input_ids, doc_ids, position_ids, anchors, attention)
+        hidden = hidden.view(B, anchors.shape[1], self.block_size, -1)
+        labels, label_ok = self.block_labels(input_ids, loss_mask, doc_ids, anchors, torch.ones_like(anchors, dtype=torch.bool))
+        tau = torch.ones_like(anchors)
+        right_so_far = torch.ones_like(anchors, dtype=torch.bool)
+        for k in range(1, self.block_size):
+            b, a = right_so_far.nonzero(as_tuple=True)
+            if not len(b):
+                break
+            draft = torch.cat([(h.to(self.lm_head_weight.dtype) @ self.lm_head_weight.t()).argmax(-1)
+                               for h in hidden[b, a, k].split(ce_chunk_size)])
+            hit = (draft == labels[b, a, k - 1]) & label_ok[b, a, k - 1]
+            tau[b, a] += hit.long()
+            right_so_far[b, a] = hit
+        return tau
 
     @staticmethod
     def block_stats(loss, correct, label_ok, anchor_valid):

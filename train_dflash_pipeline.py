@@ -1195,9 +1195,12 @@ class DrafterWorker:
                                 ce_chunk_size=a.ce_chunk_size, attention=a.attention)
 
     def accepted_lengths(self, *batch):
+        a = self.args
+        # flex: the step's own shape (no new kernels to compile); sdpa (CPU) builds a dense mask,
+        # and per call its cost is mostly overhead: up to 4,096 block tokens a call
+        chunk = a.num_anchors if a.attention == "flex" else max(a.num_anchors, 4096 // a.block_size)
         with self.autocast():
-            return accepted_lengths_everywhere(self.drafter, *batch, self.args.num_anchors, self.args.ce_chunk_size,
-                                               self.args.attention)
+            return accepted_lengths_everywhere(self.drafter, *batch, chunk, a.ce_chunk_size, a.attention)
 
     def forward_backward(self, inputs):
         self.flat_grad.zero_()
@@ -2228,7 +2231,7 @@ def replayed_gains(tau_at, n):
 def accepted_lengths_everywhere(drafter, features, input_ids, loss_mask, doc_ids, position_ids, num_anchors,
                                 ce_chunk_size=4096, attention="sdpa"):
     """The teacher-forced gain at every position of a one-row batch [1, L], num_anchors blocks
-    at a time (the training step's shapes: no new kernels to compile)."""
+    at a time."""
     L = input_ids.shape[1]
     taus = []
     for start in range(0, L, num_anchors):

@@ -584,8 +584,12 @@ def test_validation_replay_over_a_packed_row_equals_the_evaluations_replay_per_a
     ids = torch.tensor([row["input_ids"]])
     with torch.no_grad(), dm.capture_layer_outputs(target, drafter.target_layer_ids) as feats:
         target(ids)  # the counter target's layer outputs do not depend on the context: packing is exact
-    taus = tp.accepted_lengths_everywhere(drafter, torch.cat(feats, -1), ids, torch.tensor([row["loss_mask"]]).float(),
-                                          torch.tensor([row["doc_ids"]]), torch.tensor([row["position_ids"]]), 7)
+    packing = (torch.tensor([row["loss_mask"]]).float(), torch.tensor([row["doc_ids"]]), torch.tensor([row["position_ids"]]))
+    taus = tp.accepted_lengths_everywhere(drafter, torch.cat(feats, -1), ids, *packing, 7)
+    # slot by slot as accepted_lengths takes them = the training step's figures (every slot's logits)
+    every = torch.arange(L)[None]
+    _, correct, ok = drafter.block_predictions(torch.cat(feats, -1), ids, *packing, every, torch.ones_like(every).bool())
+    assert taus.tolist() == (1 + (correct & ok).long().cumprod(-1).sum(-1))[0].tolist()
     packed = tp.replayed_over_answers(taus.tolist(), row["loss_mask"], row["doc_ids"])
     alone = []
     for ids_doc, trained in docs:
