@@ -1763,22 +1763,25 @@ class Run:
         starts each block where the last one failed, so it lands on the hard positions more often
         (on MT-Bench: tau_hat 4.04, replayed and measured 2.58-2.59; docs/quality.md)."""
         w = self.workers[0]
-        stats, gains = None, []
+        stats, answers = None, []
         for k, row in enumerate(self.validation):
             inputs = [row[key].to(w.device) for key in BATCH_KEYS]
             noise = torch.rand(row["input_ids"].shape, generator=torch.Generator().manual_seed(k)).to(w.device)
             _, st = w.compute_loss(*inputs, noise)
             stats = st.float().cpu() if stats is None else stats + st.float().cpu()
-            gains += replayed_over_answers(w.accepted_lengths(*inputs).tolist(), row["loss_mask"][0].tolist(),
-                                           row["doc_ids"][0].tolist())
+            answers += replayed_over_answers(w.accepted_lengths(*inputs).tolist(), row["loss_mask"][0].tolist(),
+                                             row["doc_ids"][0].tolist())
         m = dm.stats_to_metrics(stats, len(self.validation))
-        replayed = sum(gains) / max(len(gains), 1)
+        mean = lambda lists: sum(map(sum, lists)) / max(sum(map(len, lists)), 1)  # noqa: E731  (tokens per block)
+        replayed, first = mean([g for g, _ in answers]), mean([g for g, is_first in answers if is_first])
+        # first answers are what a one-turn benchmark asks; later ones see their own history
         self.log(f"val step {step}: loss {m['loss']:.4f} acc {m['acc_mean']:.3f} tau_hat {m['tau_hat']:.3f}, "
-                 f"decoding replayed {replayed:.3f} on {len(self.validation)} held-out rows "
-                 f"(training tau_hat {tau_hat:.3f})")
+                 f"decoding replayed {replayed:.3f} (first answers {first:.3f}) on {len(self.validation)} "
+                 f"held-out rows (training tau_hat {tau_hat:.3f})")
         self.metrics_file.write(json.dumps({"step": step, "val_loss": m["loss"], "val_acc": m["acc_mean"],
                                             "val_acc_per_slot": m["acc"], "val_tau_hat": m["tau_hat"],
-                                            "val_acceptance_length": replayed}) + "\n")
+                                            "val_acceptance_length": replayed,
+                                            "val_acceptance_length_first_answers": first}) + "\n")
         self.metrics_file.flush()
 
     def full_target(self):
@@ -2242,17 +2245,20 @@ def accepted_lengths_everywhere(drafter, features, input_ids, loss_mask, doc_ids
 
 
 def replayed_over_answers(taus, loss_mask, doc_ids):
-    """replayed_gains over each answer of a packed row: a run of trained tokens inside one
-    document, the target's answer to everything before it there. taus: the teacher-forced gain
-    at every position of the row (they stop at the answer's end: labels past it are not trained)."""
-    gains, s, L = [], 0, len(taus)
+    """replayed_gains over each answer of a packed row (a run of trained tokens inside one
+    document: the target's answer to everything before it there), as (gains, whether it is its
+    document's first answer) per answer. taus: the teacher-forced gain at every position of the
+    row (they stop at the answer's end: labels past it are not trained)."""
+    answers, s, L, seen = [], 0, len(taus), set()
     while s < L:
         e = s
         while e < L and loss_mask[e] and doc_ids[e] == doc_ids[s]:
             e += 1
-        gains += replayed_gains(lambda i: taus[s + i], e - s)
+        if e > s:
+            answers.append((replayed_gains(lambda i: taus[s + i], e - s), doc_ids[s] not in seen))
+            seen.add(doc_ids[s])
         s = max(e, s + 1)
-    return gains
+    return answers
 
 
 @torch.no_grad()

@@ -508,7 +508,8 @@ def test_validation_documents_are_held_out_and_scored_beside_training(tmp_path, 
     vals = [x for x in metrics(tmp_path) if "val_tau_hat" in x]
     assert [x["step"] for x in vals] == [3, 6]
     assert all(x["val_loss"] == x["val_loss"] and x["val_tau_hat"] >= 1.0 and len(x["val_acc_per_slot"]) == 3
-               and 1.0 <= x["val_acceptance_length"] <= 4 for x in vals)
+               and 1.0 <= x["val_acceptance_length"] <= 4 and 1.0 <= x["val_acceptance_length_first_answers"] <= 4
+               for x in vals)
     assert vals[1]["val_loss"] < vals[0]["val_loss"]  # the same rows and anchors each time: comparable
     assert "held out for validation (4 rows), never trained on" in r.stdout and "val step 6: loss" in r.stdout
     assert ", decoding replayed " in r.stdout
