@@ -1196,8 +1196,8 @@ class DrafterWorker:
 
     def accepted_lengths(self, *batch):
         a = self.args
-        # flex: the step's own shape (no new kernels to compile); sdpa (CPU) builds a dense mask,
-        # and per call its cost is mostly overhead: up to 4,096 block tokens a call
+        # flex: the step's own shape (no new kernels to compile); sdpa (CPU): fewer, larger calls,
+        # each a dense mask of up to 4,096 block tokens
         chunk = a.num_anchors if a.attention == "flex" else max(a.num_anchors, 4096 // a.block_size)
         with self.autocast():
             return accepted_lengths_everywhere(self.drafter, *batch, chunk, a.ce_chunk_size, a.attention)
@@ -2939,10 +2939,11 @@ def write_plots(out_dir, log=print):
             ax[0].plot([r["step"] for r in vals], [r["val_loss"] for r in vals], "o-", label="validation")
             ax[0].legend()
             ax[1].plot([r["step"] for r in vals], [r["val_tau_hat"] for r in vals], "o-", label="tau_hat (validation)")
-            replayed = [r for r in vals if "val_acceptance_length" in r]
-            if replayed:
-                ax[1].plot([r["step"] for r in replayed], [r["val_acceptance_length"] for r in replayed], "o-",
-                           label="decoding replayed (validation)")
+            for key, name in (("val_acceptance_length", "decoding replayed (validation)"),
+                              ("val_acceptance_length_first_answers", "decoding replayed, first answers")):
+                replayed = [r for r in vals if key in r]
+                if replayed:
+                    ax[1].plot([r["step"] for r in replayed], [r[key] for r in replayed], "o-", label=name)
         if final is not None:
             evals = evals + [{"step": steps[-1], "eval_acceptance_length": final["acceptance_length"]}]
         if evals:
