@@ -1635,6 +1635,7 @@ class Run:
         self.target_clock, self.target_batches_fed, self.target_logged = StageClock(), 0, (0.0, 0)
         self.eval_prompts, self.tokenizer, self.eval_target = [], None, None  # for --eval-interval
         self.validation = []  # held-out rows, with their target features (set by run_pipeline)
+        self.val_replayed = None  # the last validation's decoding replayed (all answers, first answers)
 
     def lr_for_step(self, step):
         return scheduled_lr(self.plan.cursor_after(step), self.plan.schedule, self.args.lr)
@@ -1774,6 +1775,7 @@ class Run:
         m = dm.stats_to_metrics(stats, len(self.validation))
         mean = lambda lists: sum(map(sum, lists)) / max(sum(map(len, lists)), 1)  # noqa: E731  (tokens per block)
         replayed, first = mean([g for g, _ in answers]), mean([g for g, is_first in answers if is_first])
+        self.val_replayed = (replayed, first)
         # first answers are what a one-turn benchmark asks; later ones see their own history
         self.log(f"val step {step}: loss {m['loss']:.4f} acc {m['acc_mean']:.3f} tau_hat {m['tau_hat']:.3f}, "
                  f"decoding replayed {replayed:.3f} (first answers {first:.3f}) on {len(self.validation)} "
@@ -1817,7 +1819,9 @@ class Run:
         self.log(f"eval step {step}: acceptance length {measured:.3f} measured on {len(self.eval_prompts)} held-out "
                  f"prompts vs tau_hat {tau_hat:.3f} estimated in training ({rel(tau_hat)}); on the target's own answers "
                  f"to those prompts tau_hat {tf:.3f} ({rel(tf)}), "
-                 f"decoding replayed {report['teacher_forced_acceptance_length']:.3f}; lossless {report['lossless']}")
+                 f"decoding replayed {report['teacher_forced_acceptance_length']:.3f}; lossless {report['lossless']}"
+                 + ("" if self.val_replayed is None else "; replayed on held-out training documents {:.3f} (first "
+                    "answers {:.3f})".format(*self.val_replayed)))
         self.metrics_file.write(json.dumps({"step": step, "eval_acceptance_length": measured, "tau_hat": tau_hat,
                                             "teacher_forced_tau_hat": tf,
                                             "eval_lossless": report["lossless"]}) + "\n")

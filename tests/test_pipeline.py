@@ -247,12 +247,13 @@ def test_eval_interval_logs_measured_acceptance_next_to_tau_hat(tmp_path, tiny_m
     prompts = write_jsonl(tmp_path / "p.jsonl", [{"prompt": "the cat sat"}, {"prompt": "a dog ran"}])
     r = run_cli(tmp_path, tiny_model_dir, data, "--target-gpus", "cpu", "--drafter-gpus", "cpu", "--max-steps", "6",
                 "--log-interval", "3", "--eval-interval", "3", "--eval-data", prompts, "--eval-max-new-tokens", "8",
-                "--eval-prompts", "2")
+                "--eval-prompts", "2", "--val-fraction", "0.2", "--val-rows", "2")
     assert r.returncode == 0, r.stderr
     evals = [x for x in metrics(tmp_path) if "eval_acceptance_length" in x]
     assert [x["step"] for x in evals] == [3]  # step 6, the last: the final evaluation's, measured once
     assert all(x["eval_lossless"] and x["eval_acceptance_length"] >= 1.0 for x in evals)
     assert r.stdout.count("eval step") == 1 and "eval: acceptance length" in r.stdout and "tau_hat" in r.stdout
+    assert "replayed on held-out training documents" in r.stdout  # the validation just before, beside it
     with open(tmp_path / "out" / "final" / "eval_acceptance.json") as f:
         assert json.load(f)["lossless"]
 
