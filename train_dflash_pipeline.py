@@ -1635,7 +1635,6 @@ class Run:
         self.target_clock, self.target_batches_fed, self.target_logged = StageClock(), 0, (0.0, 0)
         self.eval_prompts, self.tokenizer, self.eval_target = [], None, None  # for --eval-interval
         self.validation = []  # held-out rows, with their target features (set by run_pipeline)
-        self.val_replayed = None  # the last validation's decoding replayed (all answers, first answers)
 
     def lr_for_step(self, step):
         return scheduled_lr(self.plan.cursor_after(step), self.plan.schedule, self.args.lr)
@@ -1680,10 +1679,9 @@ class Run:
         self.check_finite(step)
         if due_log:
             rec = self.write_metrics(step)
-        if due_val:
-            self.validate(step, rec["tau_hat"])
+        val_replayed = self.validate(step, rec["tau_hat"]) if due_val else None
         if due_eval:
-            self.evaluate_now(step, rec["tau_hat"])
+            self.evaluate_now(step, rec["tau_hat"], val_replayed)
         if due_save:
             self.save(step)
 
@@ -1770,12 +1768,11 @@ class Run:
             noise = torch.rand(row["input_ids"].shape, generator=torch.Generator().manual_seed(k)).to(w.device)
             _, st = w.compute_loss(*inputs, noise)
             stats = st.float().cpu() if stats is None else stats + st.float().cpu()
-            answers += replayed_over_answers(w.accepted_lengths(*inputs).tolist(), row["loss_mask"][0].tolist(),
-                                             row["doc_ids"][0].tolist())
+            taus = w.accepted_lengths(*inputs).tolist()
+            answers += replayed_over_answers(lambda p, end: taus[p], row["loss_mask"][0], row["doc_ids"][0])
         m = dm.stats_to_metrics(stats, len(self.validation))
         mean = lambda lists: sum(map(sum, lists)) / max(sum(map(len, lists)), 1)  # noqa: E731  (tokens per block)
         replayed, first = mean([g for g, _ in answers]), mean([g for g, is_first in answers if is_first])
-        self.val_replayed = (replayed, first)
         # first answers are what a one-turn benchmark asks; later ones see their own history
         self.log(f"val step {step}: loss {m['loss']:.4f} acc {m['acc_mean']:.3f} tau_hat {m['tau_hat']:.3f}, "
                  f"decoding replayed {replayed:.3f} (first answers {first:.3f}) on {len(self.validation)} "
@@ -1785,6 +1782,7 @@ class Run:
                                             "val_acceptance_length": replayed,
                                             "val_acceptance_length_first_answers": first}) + "\n")
         self.metrics_file.flush()
+        return replayed, first
 
     def full_target(self):
         """The whole target for evaluations, loaded once, on the device with the most free memory
@@ -1803,10 +1801,11 @@ class Run:
             self.eval_target = load_full_target(self.args.target_model, dev)
         return self.eval_target
 
-    def evaluate_now(self, step, tau_hat):
+    def evaluate_now(self, step, tau_hat, val_replayed=None):
         """The real acceptance length of the current drafter (lossless speculative decoding on
-        held-out prompts) next to the training estimate tau_hat of the last log interval and
-        the teacher-forced figures on the target's own answers to those prompts."""
+        held-out prompts) next to the training estimate tau_hat of the last log interval, the
+        teacher-forced figures on the target's own answers to those prompts, and the validation's
+        replay (all answers, first answers) just before."""
         target = self.full_target()
         dev = next(target.parameters()).device
         drafter = copy.deepcopy(self.workers[0].drafter).to(dev).eval().attach_target(target)
@@ -1820,8 +1819,8 @@ class Run:
                  f"prompts vs tau_hat {tau_hat:.3f} estimated in training ({rel(tau_hat)}); on the target's own answers "
                  f"to those prompts tau_hat {tf:.3f} ({rel(tf)}), "
                  f"decoding replayed {report['teacher_forced_acceptance_length']:.3f}; lossless {report['lossless']}"
-                 + ("" if self.val_replayed is None else "; replayed on held-out training documents {:.3f} (first "
-                    "answers {:.3f})".format(*self.val_replayed)))
+                 + ("" if val_replayed is None else "; replayed on held-out training documents {:.3f} (first "
+                    "answers {:.3f})".format(*val_replayed)))
         self.metrics_file.write(json.dumps({"step": step, "eval_acceptance_length": measured, "tau_hat": tau_hat,
                                             "teacher_forced_tau_hat": tf,
                                             "eval_lossless": report["lossless"]}) + "\n")
@@ -2248,21 +2247,18 @@ def accepted_lengths_everywhere(drafter, features, input_ids, loss_mask, doc_ids
     return torch.cat(taus, 1)[0, :L]
 
 
-def replayed_over_answers(taus, loss_mask, doc_ids):
+def replayed_over_answers(tau_at, loss_mask, doc_ids):
     """replayed_gains over each answer of a packed row (a run of trained tokens inside one
     document: the target's answer to everything before it there), as (gains, whether it is its
-    document's first answer) per answer. taus: the teacher-forced gain at every position of the
-    row (they stop at the answer's end: labels past it are not trained)."""
-    answers, s, L, seen = [], 0, len(taus), set()
-    while s < L:
-        e = s
-        while e < L and loss_mask[e] and doc_ids[e] == doc_ids[s]:
-            e += 1
-        if e > s:
-            answers.append((replayed_gains(lambda i: taus[s + i], e - s), doc_ids[s] not in seen))
-            seen.add(doc_ids[s])
-        s = max(e, s + 1)
-    return answers
+    document's first answer) per answer. tau_at(position, end): the gain drafting at a position
+    of the answer that ends before end."""
+    trained, docs = np.asarray(loss_mask, dtype=bool), np.asarray(doc_ids)
+    joined = np.concatenate([trained[:-1] & trained[1:] & (docs[:-1] == docs[1:]), [False]])  # i and i + 1
+    starts = np.flatnonzero(trained & ~np.concatenate([[False], joined[:-1]]))
+    ends = np.flatnonzero(trained & ~joined) + 1
+    firsts = np.concatenate([[True], docs[starts[1:]] != docs[starts[:-1]]]) if len(starts) else []
+    return [(replayed_gains(lambda i, s=s, e=e: tau_at(s + i, e), e - s), bool(first))
+            for s, e, first in zip(starts.tolist(), ends.tolist(), firsts)]
 
 
 @torch.no_grad()

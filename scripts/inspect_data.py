@@ -46,10 +46,9 @@ LOOKUP_BLOCK = 16  # the evaluator's block size for prompt lookup: the drafter's
 def lookup_gains(ids, mask):
     """Prompt lookup replayed over each trained span of a document (each run of loss tokens,
     given all the document before it): a list of gains lists, one per span in order."""
-    ids, mask = np.asarray(ids), np.asarray(mask, dtype=bool)
-    edges = np.flatnonzero(np.diff(np.concatenate([[0], mask.astype(np.int8), [0]])))
-    return [tp.replayed_gains(lambda i, s=s, e=e: dm.lookup_accepted(ids, s + i, e, LOOKUP_BLOCK), e - s)
-            for s, e in zip(edges[::2], edges[1::2])]
+    ids = np.asarray(ids)
+    return [gains for gains, _ in tp.replayed_over_answers(lambda p, end: dm.lookup_accepted(ids, p, end, LOOKUP_BLOCK),
+                                                           mask, np.zeros(len(ids)))]
 
 
 def lookup_summary(spans):

@@ -590,7 +590,7 @@ def test_validation_replay_over_a_packed_row_equals_the_evaluations_replay_per_a
     every = torch.arange(L)[None]
     _, correct, ok = drafter.block_predictions(torch.cat(feats, -1), ids, *packing, every, torch.ones_like(every).bool())
     assert taus.tolist() == (1 + (correct & ok).long().cumprod(-1).sum(-1))[0].tolist()
-    answers = tp.replayed_over_answers(taus.tolist(), row["loss_mask"], row["doc_ids"])
+    answers = tp.replayed_over_answers(lambda p, end: taus[p].item(), row["loss_mask"], row["doc_ids"])
     assert [first for _, first in answers] == [True, True, False, True, True]  # doc 1 has two answers
     packed = [g for gains, _ in answers for g in gains]
     alone = []
@@ -609,4 +609,4 @@ def test_validation_replay_over_a_packed_row_equals_the_evaluations_replay_per_a
     answers = (20, 11, 17, 9, 8)  # each replay covers its answer: it stops at n - 1 or n tokens
     assert sum(n - 1 for n in answers) <= sum(packed) <= sum(answers) and len(set(packed)) >= 3, packed
     # two answers side by side in two documents are two replays, each with its first token given
-    assert tp.replayed_over_answers([1] * 6, [1] * 6, [0, 0, 0, 1, 1, 1]) == [([1, 1], True), ([1, 1], True)]
+    assert tp.replayed_over_answers(lambda p, end: 1, [1] * 6, [0, 0, 0, 1, 1, 1]) == [([1, 1], True), ([1, 1], True)]
