@@ -73,6 +73,9 @@ def build_parser():
       "recorded in the drafter directory")
     a("--lr", type=float, default=6e-4)
     a("--warmup-ratio", type=float, default=0.04)
+    a("--decay-ratio", type=float, default=1.0,
+      help="share of the run's steps over which the learning rate falls (cosine) to zero at the end; "
+      "until then it holds at --lr after the warm-up. 1.0: cosine over the whole run after the warm-up")
     a("--weight-decay", type=float, default=0.0)
     a("--epochs", type=float, default=6)
     a("--max-steps", type=int, default=None, help="stop after this many optimizer steps")
@@ -174,6 +177,8 @@ def check_args(args):
         raise UsageError(f"--block-size {args.block_size} does not fit: it must be in [2, --max-length)")
     if not 1 <= args.num_anchors < args.max_length:
         raise UsageError(f"--num-anchors {args.num_anchors} must be in [1, --max-length={args.max_length})")
+    if not 0 < args.decay_ratio <= 1:
+        raise UsageError(f"--decay-ratio {args.decay_ratio} must be in (0, 1]")
     for name in ("lr", "epochs", "log_interval", "save_interval", "queue_depth", "ce_chunk_size"):
         if getattr(args, name) <= 0:
             raise UsageError(f"--{name.replace('_', '-')} must be positive")
@@ -1107,21 +1112,30 @@ class GradAverager:
 # -----------------------------------------------------------------------------
 # Learning-rate schedule
 
+def decay_batches(schedule):
+    # a schedule recorded before --decay-ratio decays over everything after the warm-up
+    return schedule.get("decay_batches", schedule["total_batches"] - schedule["warmup_batches"])
+
+
 def scheduled_lr(batches_done, schedule, peak):
-    """Linear warmup, then cosine to zero, over the batches of the run (not its steps: a run
-    resumed with another worker count keeps its schedule). batches_done counts the step's own."""
-    total, warmup = schedule["total_batches"], schedule["warmup_batches"]
+    """Linear warm-up, the peak held, then cosine to zero over the run's last decay_batches, all
+    counted in batches (not steps: a run resumed with another worker count keeps its schedule).
+    batches_done counts the step's own."""
+    total, warmup, decay = schedule["total_batches"], schedule["warmup_batches"], decay_batches(schedule)
     if batches_done <= warmup:
         return peak * batches_done / max(1, warmup)
-    progress = (batches_done - warmup) / max(1, total - warmup)
-    return peak * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+    progress = (batches_done - (total - decay)) / max(1, decay)
+    return peak * 0.5 * (1 + math.cos(math.pi * min(1.0, max(0.0, progress))))
 
 
 def planned_schedule(args, batches_per_epoch, num_workers):
-    """{total_batches, warmup_batches} from --max-steps or --epochs, whole steps of num_workers
-    batches each."""
+    """{total_batches, warmup_batches, decay_batches} from --max-steps or --epochs, --warmup-ratio
+    and --decay-ratio, whole steps of num_workers batches each."""
     steps = args.max_steps or max(1, int(args.epochs * batches_per_epoch) // num_workers)
-    return {"total_batches": steps * num_workers, "warmup_batches": math.ceil(args.warmup_ratio * steps) * num_workers}
+    warmup = math.ceil(args.warmup_ratio * steps)
+    decay = min(steps - warmup, math.ceil(args.decay_ratio * steps))
+    return {"total_batches": steps * num_workers, "warmup_batches": warmup * num_workers,
+            "decay_batches": decay * num_workers}
 
 
 # -----------------------------------------------------------------------------
@@ -1537,7 +1551,8 @@ def plan_run(args, settings, batches, num_workers, state, log):
 
 
 def length_flags(args):
-    return {"max_steps": args.max_steps, "epochs": args.epochs, "warmup_ratio": args.warmup_ratio}
+    return {"max_steps": args.max_steps, "epochs": args.epochs, "warmup_ratio": args.warmup_ratio,
+            "decay_ratio": args.decay_ratio}
 
 
 # -----------------------------------------------------------------------------
@@ -2856,7 +2871,8 @@ def train_on(args, cluster, target_devices, drafter_devices, tc):
     log(f"batches: {rows_per_batch} x {args.max_length} = {args.token_budget} tokens, "
         f"{args.num_anchors * rows_per_batch} anchors x block {args.block_size}; packing efficiency "
         f"{batches.packing_efficiency:.1%}; {batches.batches_per_epoch} batches/epoch; {plan.total_steps} steps "
-        f"({plan.schedule['warmup_batches'] // W} warmup)")
+        f"({plan.schedule['warmup_batches'] // W} warmup, lr decay over the last "
+        f"{decay_batches(plan.schedule) // W})")
     if plan.start_step >= plan.total_steps:
         log(f"nothing to do: already at step {plan.start_step} of {plan.total_steps}")
         return 0

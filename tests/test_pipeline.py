@@ -1,4 +1,5 @@
 import json
+import math
 import os
 import random
 import subprocess
@@ -598,3 +599,22 @@ def test_target_stage_defaults_to_flex_compiled_on_gpus_and_typed_flags_win():
     assert opts([], gpu) == ("flex", False) and opts(["--compile"], gpu) == ("flex", True)
     assert opts(["--compile", "--target-attention", "dense", "--no-compile-target"], gpu) == ("dense", False)
     assert opts(["--target-attention", "flex", "--compile-target"], cpu) == ("flex", True)
+
+
+def test_decay_ratio_holds_the_peak_then_decays_to_zero():
+    args = types.SimpleNamespace(max_steps=100, epochs=None, warmup_ratio=0.1, decay_ratio=0.2)
+    schedule = tp.planned_schedule(args, batches_per_epoch=7, num_workers=2)
+    assert schedule == {"total_batches": 200, "warmup_batches": 20, "decay_batches": 40}
+    lr = [tp.scheduled_lr(b, schedule, 1.0) for b in range(201)]
+    assert lr[10] == pytest.approx(0.5) and lr[20] == 1.0
+    assert all(x == 1.0 for x in lr[20:161])                  # held until the last 20% of steps
+    assert lr[180] == pytest.approx(0.5) and lr[200] == pytest.approx(0.0)
+    assert all(a > b for a, b in zip(lr[160:200], lr[161:201]))
+    # 1.0 (the default) is cosine over everything after the warm-up, as a schedule recorded
+    # before the flag (no decay_batches) is read
+    full = tp.planned_schedule(types.SimpleNamespace(**{**vars(args), "decay_ratio": 1.0}), 7, 2)
+    assert full["decay_batches"] == 180
+    old = {k: full[k] for k in ("total_batches", "warmup_batches")}
+    for b in (0, 20, 21, 110, 199, 200):
+        expect = b / 20 if b <= 20 else 0.5 * (1 + math.cos(math.pi * (b - 20) / 180))
+        assert tp.scheduled_lr(b, full, 1.0) == pytest.approx(expect) == tp.scheduled_lr(b, old, 1.0)
