@@ -574,21 +574,34 @@ def test_validation_replay_over_a_packed_row_equals_the_evaluations_replay_per_a
             last = ids[-1]
         docs.append((ids, trained))
     L = sum(len(d) for d, _ in docs) + 5
-    row = {k: [] for k in ("input_ids", "loss_mask", "doc_ids", "position_ids")}
-    for n, (ids, trained) in enumerate(docs):
-        row["input_ids"] += ids; row["loss_mask"] += trained; row["doc_ids"] += [n] * len(ids)
-        row["position_ids"] += list(range(len(ids)))
-    pad = L - len(row["input_ids"])
-    row["input_ids"] += [0] * pad; row["loss_mask"] += [0] * pad; row["doc_ids"] += [len(docs)] * pad
-    row["position_ids"] += list(range(pad))
-    ids = torch.tensor([row["input_ids"]])
-    with torch.no_grad(), dm.capture_layer_outputs(target, drafter.target_layer_ids) as feats:
-        target(ids)  # the counter target's layer outputs do not depend on the context: packing is exact
-    packing = (torch.tensor([row["loss_mask"]]).float(), torch.tensor([row["doc_ids"]]), torch.tensor([row["position_ids"]]))
-    taus = tp.accepted_lengths_everywhere(drafter, torch.cat(feats, -1), ids, *packing, 7)
+
+    def packed_row(docs):
+        row = {k: [] for k in ("input_ids", "loss_mask", "doc_ids", "position_ids")}
+        for n, (ids, trained) in enumerate(docs):
+            row["input_ids"] += ids; row["loss_mask"] += trained; row["doc_ids"] += [n] * len(ids)
+            row["position_ids"] += list(range(len(ids)))
+        pad = L - len(row["input_ids"])
+        row["input_ids"] += [0] * pad; row["loss_mask"] += [0] * pad; row["doc_ids"] += [len(docs)] * pad
+        row["position_ids"] += list(range(pad))
+        return row
+
+    def everywhere(rows):
+        ids = torch.tensor([r["input_ids"] for r in rows])
+        with torch.no_grad(), dm.capture_layer_outputs(target, drafter.target_layer_ids) as feats:
+            target(ids)  # the counter target's layer outputs do not depend on the context: packing is exact
+        packing = tuple(torch.tensor([r[k] for r in rows]) for k in ("loss_mask", "doc_ids", "position_ids"))
+        packing = (packing[0].float(),) + packing[1:]
+        return ids, torch.cat(feats, -1), packing, tp.accepted_lengths_everywhere(drafter, torch.cat(feats, -1), ids, *packing, 7)
+
+    row, other = packed_row(docs), packed_row(docs[::-1])
+    ids, feats, packing, taus = everywhere([row])
+    taus = taus[0]
+    # rows batched together (as the validation batches them) each get what they get alone
+    both = everywhere([row, other])[3]
+    assert both[0].tolist() == taus.tolist() and both[1].tolist() == everywhere([other])[3][0].tolist()
     # slot by slot as accepted_lengths takes them = the training step's figures (every slot's logits)
     every = torch.arange(L)[None]
-    _, correct, ok = drafter.block_predictions(torch.cat(feats, -1), ids, *packing, every, torch.ones_like(every).bool())
+    _, correct, ok = drafter.block_predictions(feats, ids, *packing, every, torch.ones_like(every).bool())
     assert taus.tolist() == (1 + (correct & ok).long().cumprod(-1).sum(-1))[0].tolist()
     answers = tp.replayed_over_answers(lambda p, end: taus[p].item(), row["loss_mask"], row["doc_ids"])
     assert [first for _, first in answers] == [True, True, False, True, True]  # doc 1 has two answers
