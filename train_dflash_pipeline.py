@@ -2927,6 +2927,18 @@ def train_on(args, cluster, target_devices, drafter_devices, tc):
     return 0
 
 
+def run_records(out_dir):
+    """A run directory's metrics.jsonl records and its final evaluation report (None if none)."""
+    with open(os.path.join(out_dir, "metrics.jsonl")) as f:
+        recs = [json.loads(line) for line in f if line.strip()]
+    report_path = os.path.join(out_dir, "final", "eval_acceptance.json")
+    final = None
+    if os.path.exists(report_path):
+        with open(report_path) as f:
+            final = json.load(f)
+    return recs, final
+
+
 def write_plots(out_dir, log=print):
     """PNG plots beside the log: training loss, tau_hat and per-slot accuracy over steps (with the
     measured acceptance where --eval-interval logged it), and the acceptance histogram of the
@@ -2938,13 +2950,7 @@ def write_plots(out_dir, log=print):
     except ImportError:
         log("plots: matplotlib is not installed; no plots written")
         return []
-    with open(os.path.join(out_dir, "metrics.jsonl")) as f:
-        recs = [json.loads(line) for line in f if line.strip()]
-    report_path = os.path.join(out_dir, "final", "eval_acceptance.json")
-    final = None
-    if os.path.exists(report_path):
-        with open(report_path) as f:
-            final = json.load(f)
+    recs, final = run_records(out_dir)
     train = [r for r in recs if "loss" in r]
     evals = [r for r in recs if "eval_acceptance_length" in r]
     written = []

@@ -432,3 +432,9 @@ def test_recipe_regenerate_train_evaluate_from_the_command_line(tmp_path, tiny_m
     report = json.loads((out / "final" / "eval_acceptance.json").read_text())
     assert report["answers"] == 3 and report["acceptance_length"] >= 1 and report["prompt_lookup_acceptance_length"] >= 1
     assert report["lossless"] and report["teacher_forced_acceptance_length"] >= 1
+    # runs side by side: the table names where this one ended, the plot is written
+    r = run("scripts/compare_runs.py", str(out), "--out", str(tmp_path / "compare.png"))
+    assert r.returncode == 0, r.stderr[-2000:]
+    row = r.stdout.splitlines()[1]  # under the header: the run directory's name is "run"
+    assert row.split()[1] == "12" and f"{report['acceptance_length']:.2f}" in row.split()
+    assert os.path.getsize(tmp_path / "compare.png") > 10_000

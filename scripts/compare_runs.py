@@ -1,0 +1,85 @@
+"""Several training runs side by side: the held-out figures and the measured acceptance over
+steps, the learning rate each followed, and a table of where each ended. For sweeps (schedules,
+learning rates, data): one plot instead of one per run directory.
+
+    python scripts/compare_runs.py runs/steps6000 runs/wsd6000 runs/lr2e3 --out compare.png
+
+Each argument is a run's --output-dir (its metrics.jsonl, and final/eval_acceptance.json when
+the run finished its evaluation). Needs matplotlib for the plot; the table prints without it.
+"""
+
+import argparse
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import train_dflash_pipeline as tp  # noqa: E402
+
+
+def summary(name, recs, final):
+    """One table row: the last held-out figures and the measured acceptance."""
+    train = [r for r in recs if "loss" in r]
+    vals = [r for r in recs if "val_tau_hat" in r]
+    evals = [r for r in recs if "eval_acceptance_length" in r]
+    last_val = vals[-1] if vals else {}
+    fmt = lambda x: "-" if x is None else f"{x:.2f}"  # noqa: E731
+    measured = " ".join(f"{r['eval_acceptance_length']:.2f}@{r['step']}" for r in evals) or "-"
+    return (f"{name:<24} {train[-1]['step'] if train else 0:>6} {fmt(last_val.get('val_tau_hat')):>8} "
+            f"{fmt(last_val.get('val_acceptance_length')):>9} {fmt(last_val.get('val_acceptance_length_first_answers')):>9} "
+            f"{measured:>14} "
+            f"{fmt(final and final['acceptance_length']):>6} {fmt(final and final['prompt_lookup_acceptance_length']):>7}")
+
+
+def plot(runs, out):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(1, 3, figsize=(16, 4.5))
+    for n, (name, recs, final) in enumerate(runs):
+        colour = f"C{n}"
+        train = [r for r in recs if "loss" in r]
+        vals = [r for r in recs if "val_tau_hat" in r]
+        ax[0].plot([r["step"] for r in vals], [r["val_tau_hat"] for r in vals], "-", color=colour, label=name)
+        replayed = [r for r in vals if "val_acceptance_length" in r]
+        ax[0].plot([r["step"] for r in replayed], [r["val_acceptance_length"] for r in replayed], ":", color=colour)
+        ax[1].plot([r["step"] for r in train], [r["lr"] for r in train], color=colour, label=name)
+        measured = [(r["step"], r["eval_acceptance_length"]) for r in recs if "eval_acceptance_length" in r]
+        if final is not None and train:
+            measured.append((train[-1]["step"], final["acceptance_length"]))
+        if measured:
+            ax[2].plot(*zip(*measured), "o-", color=colour, label=name)
+        if final is not None:
+            ax[2].axhline(final["prompt_lookup_acceptance_length"], color=colour, ls="--", lw=0.8)
+    ax[0].set(title="held-out tau_hat (solid) and decoding replayed (dotted)", xlabel="step")
+    ax[1].set(title="learning rate", xlabel="step")
+    ax[2].set(title="measured acceptance length (dashed: prompt lookup)", xlabel="step")
+    for a in ax:
+        a.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out, dpi=90)
+    plt.close(fig)
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("runs", nargs="+", help="run directories (--output-dir of train_dflash_pipeline.py)")
+    p.add_argument("--out", default=None, help="PNG to write (default: no plot)")
+    a = p.parse_args(argv)
+    runs = []
+    for d in a.runs:
+        if not os.path.exists(os.path.join(d, "metrics.jsonl")):
+            sys.exit(f"{d}: no metrics.jsonl (not a run directory?)")
+        runs.append((os.path.basename(os.path.normpath(d)), *tp.run_records(d)))
+    print(f"{'run':<24} {'steps':>6} {'val tau':>8} {'replayed':>9} {'first':>9} {'measured@step':>14} {'final':>6} {'lookup':>7}")
+    for name, recs, final in runs:
+        print(summary(name, recs, final))
+    if a.out:
+        try:
+            plot(runs, a.out)
+            print(f"plot: {a.out}")
+        except ImportError:
+            print("plot: matplotlib is not installed; none written")
+
+
+if __name__ == "__main__":
+    main()
