@@ -1539,10 +1539,11 @@ def plan_run(args, settings, batches, num_workers, state, log):
             log("resume: continuing despite other settings (--resume-anyway): " + "; ".join(diff))
     cursor = state.get("consumed_batches", state["step"] * num_workers)
     recorded = state.get("schedule")
-    if recorded is not None and state.get("length_flags") == flags:
+    recorded_flags = {"decay_ratio": 1.0, **(state.get("length_flags") or {})}  # older checkpoints: the one schedule
+    if recorded is not None and recorded_flags == flags:
         schedule = recorded
     elif recorded is not None:
-        log(f"resume: schedule changed with {flags} (was {state.get('length_flags')}): "
+        log(f"resume: schedule changed with {flags} (was {recorded_flags}): "
             f"{recorded['total_batches']} -> {schedule['total_batches']} batches in all, warm-up "
             f"{recorded['warmup_batches']} -> {schedule['warmup_batches']}")
     if state.get("num_workers", num_workers) != num_workers:

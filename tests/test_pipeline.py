@@ -618,3 +618,18 @@ def test_decay_ratio_holds_the_peak_then_decays_to_zero():
     for b in (0, 20, 21, 110, 199, 200):
         expect = b / 20 if b <= 20 else 0.5 * (1 + math.cos(math.pi * (b - 20) / 180))
         assert tp.scheduled_lr(b, full, 1.0) == pytest.approx(expect) == tp.scheduled_lr(b, old, 1.0)
+
+
+def test_checkpoint_from_before_decay_ratio_resumes_its_recorded_schedule():
+    args = types.SimpleNamespace(max_steps=100, epochs=None, warmup_ratio=0.1, decay_ratio=1.0, resume_anyway=False)
+    recorded = {"total_batches": 100, "warmup_batches": 10}  # as a checkpoint made before --decay-ratio records it
+    state = {"step": 40, "consumed_batches": 40, "num_workers": 1, "settings": {}, "schedule": recorded,
+             "length_flags": {"max_steps": 100, "epochs": None, "warmup_ratio": 0.1}}
+    said = []
+    plan = tp.plan_run(args, {}, types.SimpleNamespace(batches_per_epoch=7), 1, state, said.append)
+    assert plan.schedule is recorded and not any("schedule changed" in s for s in said), said
+    # asking for another decay now is a changed schedule, replanned and said so
+    said.clear()
+    plan = tp.plan_run(types.SimpleNamespace(**{**vars(args), "decay_ratio": 0.2}), {}, types.SimpleNamespace(batches_per_epoch=7),
+                       1, state, said.append)
+    assert plan.schedule["decay_batches"] == 20 and any("schedule changed" in s for s in said), said
