@@ -1413,6 +1413,7 @@ class RunPlan:
     schedule: dict  # planned_schedule()
     settings: dict  # run_settings()
     length_flags: dict  # the flags the schedule was planned from (length_flags())
+    elapsed_s: float = 0.0  # seconds of training before this process (the checkpoint's)
 
     @property
     def total_steps(self):
@@ -1466,7 +1467,7 @@ def read_training_record(path):
         return json.load(f)
 
 
-def save_checkpoint(out_dir, step, worker, plan, keep):
+def save_checkpoint(out_dir, step, worker, plan, keep, elapsed_s=0.0):
     """A kill at any point leaves the previous checkpoints intact: write to a temporary
     directory, fsync its files, then rename; prune old ones only after the new one exists."""
     root = os.path.join(out_dir, "checkpoints")
@@ -1476,7 +1477,7 @@ def save_checkpoint(out_dir, step, worker, plan, keep):
     write_training_record(tmp, plan.settings)
     state = {"step": step, "consumed_batches": plan.cursor_after(step), "num_workers": plan.num_workers,
              "schedule": plan.schedule, "length_flags": plan.length_flags, "settings": plan.settings,
-             "optimizer": worker.optimizer.state_dict()}
+             "elapsed_s": elapsed_s, "optimizer": worker.optimizer.state_dict()}
     torch.save(state, os.path.join(tmp, "training_state.pt"))
     for name in os.listdir(tmp):
         fsync_path(os.path.join(tmp, name))
@@ -1549,7 +1550,7 @@ def plan_run(args, settings, batches, num_workers, state, log):
     if state.get("num_workers", num_workers) != num_workers:
         log(f"resume: {num_workers} drafter workers now, {state['num_workers']} when the checkpoint was made: "
             f"continuing from batch {cursor} with the same schedule")
-    return RunPlan(state["step"], cursor, num_workers, schedule, settings, flags)
+    return RunPlan(state["step"], cursor, num_workers, schedule, settings, flags, state.get("elapsed_s", 0.0))
 
 
 def length_flags(args):
@@ -1638,6 +1639,7 @@ class Run:
     def __init__(self, args, plan, batches, devices, log_file, cluster=None):
         self.args, self.plan, self.batches = args, plan, batches
         self.start_step, self.total_steps = plan.start_step, plan.total_steps
+        self.t_start = None  # when the drafters were ready and batches began to stream
         self.cluster = cluster or Cluster()
         self.cuda_devices = sorted({d for d in devices if d.type == "cuda"}, key=str)
         self.stop = threading.Event()
@@ -1703,7 +1705,7 @@ class Run:
             self.save(step)
 
     def save(self, step):
-        self.log(f"checkpoint: {save_checkpoint(self.args.output_dir, step, self.workers[0], self.plan, self.args.keep_checkpoints)}")
+        self.log(f"checkpoint: {save_checkpoint(self.args.output_dir, step, self.workers[0], self.plan, self.args.keep_checkpoints, self.elapsed_s())}")
 
     @property
     def num_workers(self):
@@ -1722,6 +1724,11 @@ class Run:
                                          "without saving, the last good checkpoint is kept")
             w.losses = []
 
+    def elapsed_s(self):
+        """Seconds of training so far, resumed runs' earlier processes included (validations and
+        evaluations count: they are part of what a run costs)."""
+        return self.plan.elapsed_s + (time.perf_counter() - self.t_start if self.t_start is not None else 0.0)
+
     def write_metrics(self, step):
         now = time.perf_counter()
         t_prev, s_prev = self.last_log
@@ -1733,7 +1740,8 @@ class Run:
         self.target_logged = (target_s, target_n)
         budget = self.args.token_budget
         rec = {
-            "step": step, "epoch": round(self.plan.cursor_after(step) / self.batches.batches_per_epoch, 3),
+            "step": step, "elapsed_s": round(self.elapsed_s(), 1),
+            "epoch": round(self.plan.cursor_after(step) / self.batches.batches_per_epoch, 3),
             "tokens_per_s": steps * W * budget / dt,
             "real_tokens_per_s": steps * W * budget * self.batches.packing_efficiency / dt,
             "target_tokens_per_s": target_batches * budget / target_dt if target_dt > 0 else None,
@@ -1797,7 +1805,8 @@ class Run:
         self.log(f"val step {step}: loss {m['loss']:.4f} acc {m['acc_mean']:.3f} tau_hat {m['tau_hat']:.3f}, "
                  f"decoding replayed {replayed:.3f} (first answers {first:.3f}) on {len(self.validation)} "
                  f"held-out rows (training tau_hat {tau_hat:.3f})")
-        self.metrics_file.write(json.dumps({"step": step, "val_loss": m["loss"], "val_acc": m["acc_mean"],
+        self.metrics_file.write(json.dumps({"step": step, "elapsed_s": round(self.elapsed_s(), 1),
+                                            "val_loss": m["loss"], "val_acc": m["acc_mean"],
                                             "val_acc_per_slot": m["acc"], "val_tau_hat": m["tau_hat"],
                                             "val_acceptance_length": replayed,
                                             "val_acceptance_length_first_answers": first}) + "\n")
@@ -1841,7 +1850,8 @@ class Run:
                  f"decoding replayed {report['teacher_forced_acceptance_length']:.3f}; lossless {report['lossless']}"
                  + ("" if val_replayed is None else "; replayed on held-out training documents {:.3f} (first "
                     "answers {:.3f})".format(*val_replayed)))
-        self.metrics_file.write(json.dumps({"step": step, "eval_acceptance_length": measured, "tau_hat": tau_hat,
+        self.metrics_file.write(json.dumps({"step": step, "elapsed_s": round(self.elapsed_s(), 1),
+                                            "eval_acceptance_length": measured, "tau_hat": tau_hat,
                                             "teacher_forced_tau_hat": tf,
                                             "eval_lossless": report["lossless"]}) + "\n")
         self.metrics_file.flush()

@@ -2,7 +2,7 @@
 steps, the learning rate each followed, and a table of where each ended. For sweeps (schedules,
 learning rates, data): one plot instead of one per run directory.
 
-    python scripts/compare_runs.py runs/steps6000 runs/wsd6000 runs/lr2e3 --out compare.png
+    python scripts/compare_runs.py runs/steps6000 runs/wsd6000 runs/lr2e3 --out compare.png [--x minutes]
 
 Each argument is a run's --output-dir (its metrics.jsonl, and final/eval_acceptance.json when
 the run finished its evaluation). Needs matplotlib for the plot; the table prints without it.
@@ -30,31 +30,39 @@ def summary(name, recs, final):
             f"{fmt(final and final['acceptance_length']):>6} {fmt(final and final['prompt_lookup_acceptance_length']):>7}")
 
 
-def plot(runs, out):
+def plot(runs, out, x="step"):
+    """x: "step", or "minutes" of training (the records' elapsed_s: validations and in-run
+    evaluations included, the final evaluation not; runs from before elapsed_s was recorded are
+    left out of a minutes plot)."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     fig, ax = plt.subplots(1, 3, figsize=(16, 4.5))
+    at = (lambda r: r["step"]) if x == "step" else (lambda r: r["elapsed_s"] / 60)  # noqa: E731
     for n, (name, recs, final) in enumerate(runs):
         colour = f"C{n}"
+        if x != "step":
+            recs = [r for r in recs if "elapsed_s" in r]
         train = [r for r in recs if "loss" in r]
         vals = [r for r in recs if "val_tau_hat" in r]
-        ax[0].plot([r["step"] for r in vals], [r["val_tau_hat"] for r in vals], "-", color=colour, label=name)
+        ax[0].plot([at(r) for r in vals], [r["val_tau_hat"] for r in vals], "-", color=colour, label=name)
         replayed = [r for r in vals if "val_acceptance_length" in r]
-        ax[0].plot([r["step"] for r in replayed], [r["val_acceptance_length"] for r in replayed], ":", color=colour)
-        ax[1].plot([r["step"] for r in train], [r["lr"] for r in train], color=colour, label=name)
-        measured = [(r["step"], r["eval_acceptance_length"]) for r in recs if "eval_acceptance_length" in r]
+        ax[0].plot([at(r) for r in replayed], [r["val_acceptance_length"] for r in replayed], ":", color=colour)
+        ax[1].plot([at(r) for r in train], [r["lr"] for r in train], color=colour, label=name)
+        measured = [(at(r), r["eval_acceptance_length"]) for r in recs if "eval_acceptance_length" in r]
         if final is not None and train:
-            measured.append((train[-1]["step"], final["acceptance_length"]))
+            measured.append((at(train[-1]), final["acceptance_length"]))
         if measured:
             ax[2].plot(*zip(*measured), "o-", color=colour, label=name)
         if final is not None:
             ax[2].axhline(final["prompt_lookup_acceptance_length"], color=colour, ls="--", lw=0.8)
-    ax[0].set(title="held-out tau_hat (solid) and decoding replayed (dotted)", xlabel="step")
-    ax[1].set(title="learning rate", xlabel="step")
-    ax[2].set(title="measured acceptance length (dashed: prompt lookup)", xlabel="step")
+    xlabel = "step" if x == "step" else "minutes of training"
+    ax[0].set(title="held-out tau_hat (solid) and decoding replayed (dotted)", xlabel=xlabel)
+    ax[1].set(title="learning rate", xlabel=xlabel)
+    ax[2].set(title="measured acceptance length (dashed: prompt lookup)", xlabel=xlabel)
     for a in ax:
-        a.legend(fontsize=8)
+        if a.get_legend_handles_labels()[0]:
+            a.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(out, dpi=90)
     plt.close(fig)
@@ -64,6 +72,9 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("runs", nargs="+", help="run directories (--output-dir of train_dflash_pipeline.py)")
     p.add_argument("--out", default=None, help="PNG to write (default: no plot)")
+    p.add_argument("--x", choices=("step", "minutes"), default="step",
+                   help="the plot's x axis: optimizer steps, or minutes of training (comparable across settings "
+                        "whose steps differ in cost)")
     a = p.parse_args(argv)
     runs = []
     for d in a.runs:
@@ -75,7 +86,7 @@ def main(argv=None):
         print(summary(name, recs, final))
     if a.out:
         try:
-            plot(runs, a.out)
+            plot(runs, a.out, a.x)
             print(f"plot: {a.out}")
         except ImportError:
             print("plot: matplotlib is not installed; none written")

@@ -109,6 +109,11 @@ def test_resume_equals_uninterrupted(tmp_path, tiny_model_dir):
     lp = {x["step"]: x["loss"] for x in metrics(part)}
     for s in range(5, 9):
         assert lf[s] == lp[s], (s, lf[s], lp[s])
+    # the training time goes on from the checkpoint's, not from zero
+    first, resumed = [x for x in metrics(part) if "loss" in x][:5], [x for x in metrics(part) if "loss" in x][-4:]
+    assert [x["step"] for x in first[:4]] == [1, 2, 3, 4] and resumed[0]["step"] == 5
+    assert resumed[0]["elapsed_s"] >= first[3]["elapsed_s"] > 0
+    assert all(a["elapsed_s"] <= b["elapsed_s"] for a, b in zip(resumed, resumed[1:]))
 
 
 def test_fault_in_worker_stops_run_promptly(tmp_path, tiny_model_dir):

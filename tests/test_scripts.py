@@ -438,3 +438,6 @@ def test_recipe_regenerate_train_evaluate_from_the_command_line(tmp_path, tiny_m
     row = r.stdout.splitlines()[1]  # under the header: the run directory's name is "run"
     assert row.split()[1] == "12" and f"{report['acceptance_length']:.2f}" in row.split()
     assert os.path.getsize(tmp_path / "compare.png") > 10_000
+    r = run("scripts/compare_runs.py", str(out), "--x", "minutes", "--out", str(tmp_path / "minutes.png"))
+    assert r.returncode == 0 and os.path.getsize(tmp_path / "minutes.png") > 10_000, r.stderr[-2000:]
+    assert all(rec["elapsed_s"] > 0 for rec in tp.run_records(str(out))[0])  # every record has its training time
