@@ -667,10 +667,22 @@ def split_validation(corpus, fraction, seed):
     return np.setdiff1d(np.arange(n), held), held
 
 
-def validation_rows(corpus, max_length, seed, max_rows):
-    """Up to max_rows one-row batches [1, max_length] of the validation documents, packed."""
+def validation_batches(corpus, max_length, seed, max_rows, rows_per_batch):
+    """Up to max_rows rows [max_length] of the validation documents, packed, in batches of the
+    training step's rows (a validation makes a few calls, not one a row), each with the anchor
+    noise its rows keep over the run (the same anchors every time: the figures compare)."""
     rows = pack_epoch(corpus.lengths, max_length, seed, 0)[:max_rows]
-    return [make_batch(corpus, [r], max_length) for r in rows]
+    batches = []
+    for first in range(0, len(rows), rows_per_batch):
+        batch = make_batch(corpus, rows[first:first + rows_per_batch], max_length)
+        batch["anchor_noise"] = torch.cat([torch.rand(1, max_length, generator=torch.Generator().manual_seed(first + k))
+                                           for k in range(len(batch["input_ids"]))])
+        batches.append(batch)
+    return batches
+
+
+def validation_row_count(validation):
+    return sum(len(batch["input_ids"]) for batch in validation)
 
 
 def prepare_data(args, tokenizer, vocab_size, log):
@@ -679,11 +691,13 @@ def prepare_data(args, tokenizer, vocab_size, log):
     corpus = load_corpus(resolve_data_paths(args.data), tokenizer, args.max_length, vocab_size, args.cache_dir,
                          args.chat_template_kwargs, log)
     train_docs, val_docs = split_validation(corpus, args.val_fraction, args.seed)
-    validation = validation_rows(corpus.subset(val_docs), args.max_length, args.seed, args.val_rows) \
-        if len(val_docs) else []
+    rows_per_batch = args.token_budget // args.max_length
+    validation = validation_batches(corpus.subset(val_docs), args.max_length, args.seed, args.val_rows,
+                                    rows_per_batch) if len(val_docs) else []
     if validation:
-        log(f"data: {len(val_docs)} documents held out for validation ({len(validation)} rows), never trained on")
-    batches = BatchSequence(corpus, args.token_budget // args.max_length, args.max_length, args.seed, train_docs)
+        log(f"data: {len(val_docs)} documents held out for validation ({validation_row_count(validation)} rows), "
+            "never trained on")
+    batches = BatchSequence(corpus, rows_per_batch, args.max_length, args.seed, train_docs)
     return corpus, batches, validation
 
 # -----------------------------------------------------------------------------
@@ -1413,7 +1427,7 @@ class RunPlan:
     schedule: dict  # planned_schedule()
     settings: dict  # run_settings()
     length_flags: dict  # the flags the schedule was planned from (length_flags())
-    elapsed_s: float = 0.0  # seconds of training before this process (the checkpoint's)
+    start_elapsed_s: float = 0.0  # seconds of training before this process (the checkpoint's)
 
     @property
     def total_steps(self):
@@ -1653,7 +1667,7 @@ class Run:
         self.last_log = (time.perf_counter(), plan.start_step)
         self.target_clock, self.target_batches_fed, self.target_logged = StageClock(), 0, (0.0, 0)
         self.eval_prompts, self.tokenizer, self.eval_target = [], None, None  # for --eval-interval
-        self.validation = []  # held-out rows, with their target features (set by run_pipeline)
+        self.validation = []  # held-out batches (validation_batches), with their target features (set by run_pipeline)
 
     def lr_for_step(self, step):
         return scheduled_lr(self.plan.cursor_after(step), self.plan.schedule, self.args.lr)
@@ -1727,7 +1741,13 @@ class Run:
     def elapsed_s(self):
         """Seconds of training so far, resumed runs' earlier processes included (validations and
         evaluations count: they are part of what a run costs)."""
-        return self.plan.elapsed_s + (time.perf_counter() - self.t_start if self.t_start is not None else 0.0)
+        return self.plan.start_elapsed_s + (time.perf_counter() - self.t_start if self.t_start is not None else 0.0)
+
+    def write_record(self, rec):
+        """One line of metrics.jsonl (main process only), stamped with the training time so far."""
+        if self.metrics_file is not None:
+            self.metrics_file.write(json.dumps({"step": rec["step"], "elapsed_s": round(self.elapsed_s(), 1), **rec}) + "\n")
+            self.metrics_file.flush()
 
     def write_metrics(self, step):
         now = time.perf_counter()
@@ -1740,8 +1760,7 @@ class Run:
         self.target_logged = (target_s, target_n)
         budget = self.args.token_budget
         rec = {
-            "step": step, "elapsed_s": round(self.elapsed_s(), 1),
-            "epoch": round(self.plan.cursor_after(step) / self.batches.batches_per_epoch, 3),
+            "step": step, "epoch": round(self.plan.cursor_after(step) / self.batches.batches_per_epoch, 3),
             "tokens_per_s": steps * W * budget / dt,
             "real_tokens_per_s": steps * W * budget * self.batches.packing_efficiency / dt,
             "target_tokens_per_s": target_batches * budget / target_dt if target_dt > 0 else None,
@@ -1755,9 +1774,7 @@ class Run:
             w.stats = None
         self.last_log = (now, step)
         self.advise_split(target_s, target_n)
-        if self.metrics_file is not None:
-            self.metrics_file.write(json.dumps(rec) + "\n")
-            self.metrics_file.flush()
+        self.write_record(rec)
         tt = f"{rec['target_tokens_per_s']:,.0f}" if rec["target_tokens_per_s"] else "-"
         self.log(f"step {step}/{self.total_steps} ep {rec['epoch']:.2f} | tok/s {rec['tokens_per_s']:,.0f} "
                  f"(real {rec['real_tokens_per_s']:,.0f}, target stage {tt}) | drafter "
@@ -1786,31 +1803,23 @@ class Run:
         replayed over their answers: tau_hat averages every position alike, while decoding
         starts each block where the last one failed, so it lands on the hard positions more often
         (on MT-Bench: tau_hat 4.04, replayed and measured 2.58-2.59; docs/quality.md)."""
-        w, a = self.workers[0], self.args
-        stats, answers, calls = None, [], 0
-        per_call = max(1, a.token_budget // a.max_length)  # the training step's rows: a few calls, not one a row
-        for first in range(0, len(self.validation), per_call):
-            rows = self.validation[first:first + per_call]
-            inputs = [torch.cat([row[key] for row in rows]).to(w.device) for key in BATCH_KEYS]
-            noise = torch.cat([torch.rand(row["input_ids"].shape, generator=torch.Generator().manual_seed(first + k))
-                               for k, row in enumerate(rows)]).to(w.device)  # each row's anchors fixed over the run
-            _, st = w.compute_loss(*inputs, noise)
-            stats, calls = (st.float().cpu() if stats is None else stats + st.float().cpu()), calls + 1
-            for row, taus in zip(rows, w.accepted_lengths(*inputs).tolist()):
-                answers += replayed_over_answers(lambda p, end, taus=taus: taus[p], row["loss_mask"][0], row["doc_ids"][0])
-        m = dm.stats_to_metrics(stats, calls)
+        w, stats, answers = self.workers[0], 0, []
+        for batch in self.validation:
+            inputs = [batch[key].to(w.device) for key in BATCH_KEYS]
+            _, st = w.compute_loss(*inputs, batch["anchor_noise"].to(w.device))
+            stats = stats + st.float().cpu()
+            for taus, loss_mask, doc_ids in zip(w.accepted_lengths(*inputs).tolist(), batch["loss_mask"], batch["doc_ids"]):
+                answers += replayed_over_answers(lambda p, end, taus=taus: taus[p], loss_mask, doc_ids)
+        m = dm.stats_to_metrics(stats, len(self.validation))
         mean = lambda lists: sum(map(sum, lists)) / max(sum(map(len, lists)), 1)  # noqa: E731  (tokens per block)
         replayed, first = mean([g for g, _ in answers]), mean([g for g, is_first in answers if is_first])
         # first answers are what a one-turn benchmark asks; later ones see their own history
         self.log(f"val step {step}: loss {m['loss']:.4f} acc {m['acc_mean']:.3f} tau_hat {m['tau_hat']:.3f}, "
-                 f"decoding replayed {replayed:.3f} (first answers {first:.3f}) on {len(self.validation)} "
+                 f"decoding replayed {replayed:.3f} (first answers {first:.3f}) on {validation_row_count(self.validation)} "
                  f"held-out rows (training tau_hat {tau_hat:.3f})")
-        self.metrics_file.write(json.dumps({"step": step, "elapsed_s": round(self.elapsed_s(), 1),
-                                            "val_loss": m["loss"], "val_acc": m["acc_mean"],
-                                            "val_acc_per_slot": m["acc"], "val_tau_hat": m["tau_hat"],
-                                            "val_acceptance_length": replayed,
-                                            "val_acceptance_length_first_answers": first}) + "\n")
-        self.metrics_file.flush()
+        self.write_record({"step": step, "val_loss": m["loss"], "val_acc": m["acc_mean"], "val_acc_per_slot": m["acc"],
+                           "val_tau_hat": m["tau_hat"], "val_acceptance_length": replayed,
+                           "val_acceptance_length_first_answers": first})
         return replayed, first
 
     def full_target(self):
@@ -1850,11 +1859,8 @@ class Run:
                  f"decoding replayed {report['teacher_forced_acceptance_length']:.3f}; lossless {report['lossless']}"
                  + ("" if val_replayed is None else "; replayed on held-out training documents {:.3f} (first "
                     "answers {:.3f})".format(*val_replayed)))
-        self.metrics_file.write(json.dumps({"step": step, "elapsed_s": round(self.elapsed_s(), 1),
-                                            "eval_acceptance_length": measured, "tau_hat": tau_hat,
-                                            "teacher_forced_tau_hat": tf,
-                                            "eval_lossless": report["lossless"]}) + "\n")
-        self.metrics_file.flush()
+        self.write_record({"step": step, "eval_acceptance_length": measured, "tau_hat": tau_hat,
+                           "teacher_forced_tau_hat": tf, "eval_lossless": report["lossless"]})
 
 
 # -----------------------------------------------------------------------------
@@ -2649,8 +2655,8 @@ def run_pipeline(run, replicas, drafters, drafter_devices, optimizer_state=None,
     run.features_dim = len(args.layer_ids) * drafters[0].config.hidden_size
     warm_up_target(replicas, args, run.log)
     with torch.no_grad():  # the held-out rows' features, once (eager: a captured forward has the batch's shape)
-        run.validation = [dict(row, features=replicas[0].forward(
-            **{k: row[k].to(replicas[0].device) for k in TARGET_INPUTS}).cpu()) for row in run.validation]
+        run.validation = [dict(batch, features=replicas[0].forward(
+            **{k: batch[k].to(replicas[0].device) for k in TARGET_INPUTS}).cpu()) for batch in run.validation]
 
     # SIGINT/SIGTERM stop feeding at a step boundary; the end of the run saves.
     def on_signal(signum, frame):
