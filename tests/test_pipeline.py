@@ -503,8 +503,38 @@ def test_the_gpu_demo_trains_on_regenerated_data_unless_data_is_typed(monkeypatc
     assert tp.apply_demo_defaults(parser, parser.parse_args([]), []).data == [tp.BUILTIN_REGENERATED]
     argv = ["--data", tp.BUILTIN_DATA]
     assert tp.apply_demo_defaults(parser, parser.parse_args(argv), argv).data == [tp.BUILTIN_DATA]
+    args = tp.apply_demo_defaults(parser, parser.parse_args([]), [])
+    assert args.decay_ratio == 0.2 and args.max_steps == 6000  # the peak held, decayed over the last 1,200
+    argv = ["--decay-ratio", "1.0"]  # the default's value, typed: the cosine over every step
+    assert tp.apply_demo_defaults(parser, parser.parse_args(argv), argv).decay_ratio == 1.0
     monkeypatch.undo()
     assert tp.main(["--data", tp.BUILTIN_REGENERATED, "--output-dir", str(tmp_path / "o")]) == 2
+
+
+def test_the_gpu_demo_regenerates_regen_batch_size_rows_at_a_time(monkeypatch, tmp_path):
+    seen = []
+
+    class Backend:  # stands in for the target (the GPU path), recording what it was asked to batch
+        def __init__(self, target_name, devices, tokenizer, args, progress=None):
+            seen.append((args.batch_size, args.max_new_tokens, args.max_context_tokens))
+
+    def regenerate(input_path, output, make_backend, log, desc):
+        make_backend(None)
+        os.makedirs(os.path.dirname(output), exist_ok=True)
+        open(output, "w").close()
+        return {"text": "regenerated"}
+    monkeypatch.setattr(tp, "CACHE", str(tmp_path))
+    monkeypatch.setattr(tp, "builtin_prompts_file", lambda: str(tmp_path / "prompts.jsonl"))
+    monkeypatch.setattr(tp, "load_tokenizer", lambda name: None)
+    monkeypatch.setattr(tp, "EmbeddedBackend", Backend)
+    monkeypatch.setattr(tp, "regenerate", regenerate)
+    args = tp.build_parser().parse_args(["--regen-batch-size", "96", "--regen-max-new-tokens", "64"])
+    args.chat_template_kwargs = tp.parse_chat_template_kwargs(args.chat_template_kwargs)
+    out = tp.regenerated_builtin_data(args, print)
+    assert seen == [(96, 64, args.max_length)] and os.path.exists(out + ".done")
+    assert tp.regenerated_builtin_data(args, print) == out and len(seen) == 1  # cached: not again
+    with pytest.raises(tp.UsageError, match="--regen-batch-size must be positive"):
+        tp.check_args(tp.build_parser().parse_args(["--regen-batch-size", "0"]))
 
 
 def test_validation_documents_are_held_out_and_scored_beside_training(tmp_path, tiny_model_dir):
