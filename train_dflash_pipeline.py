@@ -646,23 +646,31 @@ class BatchSequence:
 
 
 def split_validation(corpus, fraction, seed):
-    """(training documents, validation documents): about a fraction of the documents, drawn by
-    seed, held out and never trained on; none where that would leave either side empty. The
-    documents that open with the same prompt (the tokens before the first trained one; the
-    whole text where none comes before it) are held out together: data the target wrote
-    greedily answers a repeated question (ShareGPT repeats many) with the same text, and a copy
-    left in training would make the held-out figures read memorised text."""
+    """(training documents, validation documents): about a fraction of the documents held out
+    and never trained on; none where that would leave either side empty. The documents that open
+    with the same prompt (the tokens before the first trained one; the whole text where none
+    comes before it) are held out together: data the target wrote greedily answers a repeated
+    question (ShareGPT repeats many) with the same text, and a copy left in training would make
+    the held-out figures read memorised text. Prompts are held out in the order of a seeded hash
+    of their tokens, not by document index, so data regenerated with other answers (another
+    document count) keeps the same held-out prompts and its figures compare."""
     n = len(corpus)
     k = int(n * fraction)
     if k < 1 or k >= n:
         return np.arange(n), np.zeros(0, np.int64)
-    drawn = np.random.default_rng([seed, 99]).choice(n, k, replace=False)
     key = []
     for i in range(n):
         ids, mask = corpus.doc(i)
         first = int(np.argmax(mask > 0)) if mask.any() else len(ids)
         key.append(hashlib.sha1((ids[:first] if first else ids).tobytes()).digest())  # no prompt: the whole text
-    chosen = {key[i] for i in drawn}
+    docs_of = Counter(key)
+    salt = f"{seed}:validation".encode()
+    chosen, count = set(), 0
+    for prompt in sorted(docs_of, key=lambda p: hashlib.sha1(salt + p).digest()):
+        if count >= k:
+            break
+        chosen.add(prompt)
+        count += docs_of[prompt]
     held = np.array([i for i in range(n) if key[i] in chosen], dtype=np.int64)
     if len(held) >= n:
         return np.arange(n), np.zeros(0, np.int64)
