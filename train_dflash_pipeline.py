@@ -19,6 +19,7 @@ import glob
 import hashlib
 import json
 import math
+import multiprocessing
 import os
 import queue
 import re
@@ -56,6 +57,8 @@ def build_parser():
       help="JSONL files or globs (messages, conversations, or input_ids+loss_mask); built in: builtin:sharegpt "
       "(human replies), builtin:sharegpt-regenerated (every built-in prompt answered by the built-in target, "
       "regenerated once on a GPU: the GPU demo's data)")
+    a("--data-workers", type=int, default=0,
+      help="processes that render and tokenise the data (0: one per CPU core, at most 32); the result is the same")
     a("--output-dir", default="runs/dflash", help="logs, metrics.jsonl and checkpoints go here")
     a("--target-gpus", default=None, help="e.g. 0,1,2,3,4,5 (or cpu); default: chosen from the visible GPUs")
     a("--drafter-gpus", default=None, help="one drafter worker thread per entry, e.g. 6,7 (repeats and cpu allowed)")
@@ -179,6 +182,8 @@ def check_args(args):
         raise UsageError(f"--block-size {args.block_size} does not fit: it must be in [2, --max-length)")
     if not 1 <= args.num_anchors < args.max_length:
         raise UsageError(f"--num-anchors {args.num_anchors} must be in [1, --max-length={args.max_length})")
+    if args.data_workers < 0:
+        raise UsageError(f"--data-workers {args.data_workers} must be 0 (one per CPU core) or more")
     if not 0 < args.decay_ratio <= 1:
         raise UsageError(f"--decay-ratio {args.decay_ratio} must be in (0, 1]")
     for name in ("lr", "epochs", "log_interval", "save_interval", "queue_depth", "ce_chunk_size", "regen_batch_size"):
@@ -435,27 +440,60 @@ def row_documents(row, tokenizer, max_length, vocab_size, chat_template_kwargs, 
                                   special)
 
 
-def jsonl_rows(path, stats, skip=frozenset()):
-    """(line number, 'file:line', parsed row) of every non-empty line of a JSONL file whose line
-    number is not in skip; rows counted in stats, lines that are not JSON counted as skipped."""
+def parsed_rows(lines, path, stats):
+    """(line number, 'file:line', parsed row) of lines [(line number, text)] of a JSONL file;
+    rows counted in stats, lines that are not JSON counted as skipped."""
+    for lineno, line in lines:
+        stats.counts["rows"] += 1
+        where = f"{os.path.basename(path)}:{lineno}"
+        try:
+            yield lineno, where, json.loads(line)
+        except json.JSONDecodeError as e:
+            stats.note(stats.skipped_rows, f"bad JSON: {e.msg}", where)
+
+
+def numbered_lines(path, skip=frozenset()):
+    """(line number, text) of every non-empty line of a file whose line number is not in skip."""
     with open(path, encoding="utf-8", errors="replace") as f:
         for lineno, line in enumerate(f, 1):
-            if not line.strip() or lineno in skip:
-                continue
-            stats.counts["rows"] += 1
-            where = f"{os.path.basename(path)}:{lineno}"
-            try:
-                yield lineno, where, json.loads(line)
-            except json.JSONDecodeError as e:
-                stats.note(stats.skipped_rows, f"bad JSON: {e.msg}", where)
+            if line.strip() and lineno not in skip:
+                yield lineno, line
 
 
-def read_documents(path, tokenizer, max_length, vocab_size, chat_template_kwargs=None):
-    """Every document of one JSONL file, and its DocumentStats. Unusable rows are skipped and
-    counted by reason; so are turns that cannot be trained."""
+def jsonl_rows(path, stats, skip=frozenset()):
+    """parsed_rows of every non-empty line of a JSONL file whose line number is not in skip."""
+    return parsed_rows(numbered_lines(path, skip), path, stats)
+
+
+class Progress:
+    """A progress bar of items (turns, rows) with tokens/s and ETA (tqdm on a terminal), and a log
+    line a minute otherwise, for those who tail a log file."""
+
+    def __init__(self, total, desc, log=print, unit="turn", every_s=60.0):
+        from tqdm import tqdm
+        self.bar = tqdm(total=total, unit=unit, desc=desc, disable=None, dynamic_ncols=True)
+        self.total, self.desc, self.log, self.unit, self.every_s = total, desc, log, unit, every_s
+        self.t0 = self.last = time.perf_counter()
+        self.done = self.tokens = 0
+
+    def __call__(self, items, tokens):
+        self.done, self.tokens = self.done + items, self.tokens + tokens
+        now = time.perf_counter()
+        rate = self.tokens / max(now - self.t0, 1e-9)
+        self.bar.update(items)
+        self.bar.set_postfix_str(f"{rate:,.0f} tok/s")
+        if self.bar.disable and now - self.last >= self.every_s:
+            self.last = now
+            self.log(f"{self.desc}: {self.done}/{self.total} {self.unit}s, {self.tokens:,} tokens, {rate:,.0f} tokens/s")
+
+    def close(self):
+        self.bar.close()
+
+
+def rows_documents(lines, path, tokenizer, max_length, vocab_size, chat_template_kwargs, special):
+    """(documents, DocumentStats) of some lines [(line number, text)] of one JSONL file."""
     docs, stats = [], DocumentStats()
-    special = special_token_ids(tokenizer)  # once per file, not per row (Gemma 3 has thousands)
-    for _, where, row in jsonl_rows(path, stats):
+    for _, where, row in parsed_rows(lines, path, stats):
         try:
             row_docs = row_documents(row, tokenizer, max_length, vocab_size, chat_template_kwargs, stats, where,
                                      special)
@@ -467,6 +505,87 @@ def read_documents(path, tokenizer, max_length, vocab_size, chat_template_kwargs
             stats.note(stats.skipped_rows, "no trainable assistant tokens", where)
             continue
         docs += row_docs
+    return docs, stats
+
+
+_READING = None  # what forked tokenising processes read their chunks with (set before the fork)
+
+
+def _read_chunk(lines):
+    return rows_documents(lines, *_READING)
+
+
+def in_order(pool, fn, items, ahead):
+    """fn(item) for each item, by the pool's processes, in order, with at most `ahead` in flight
+    (a file is not read into memory ahead of its tokenising). A process that dies (killed, out of
+    memory) raises BrokenProcessPool here rather than leaving the caller waiting."""
+    pending = deque()
+    for item in items:
+        pending.append(pool.submit(fn, item))
+        if len(pending) >= ahead:
+            yield pending.popleft().result()
+    while pending:
+        yield pending.popleft().result()
+
+
+def line_chunks(path, chunk_rows):
+    """Lists of up to chunk_rows numbered_lines of a file, in order."""
+    chunk = []
+    for item in numbered_lines(path):
+        chunk.append(item)
+        if len(chunk) == chunk_rows:
+            yield chunk
+            chunk = []
+    if chunk:
+        yield chunk
+
+
+def data_workers(requested):
+    """Processes that tokenise: requested, or (0) one per CPU core, at most 32."""
+    return requested or min(32, os.cpu_count() or 1)
+
+
+def read_documents(path, tokenizer, max_length, vocab_size, chat_template_kwargs=None, workers=1, chunk_rows=256,
+                   log=print):
+    """Every document of one JSONL file, and its DocumentStats. Unusable rows are skipped and
+    counted by reason; so are turns that cannot be trained. With workers > 1, chunks of rows are
+    rendered and tokenised by that many forked processes (a chat template renders in Python, on
+    one core) and put back in file order: the same documents and counts as one process. Progress:
+    a bar of rows on a terminal, else a log line a minute."""
+    global _READING
+    special = special_token_ids(tokenizer)  # once per file, not per row (Gemma 3 has thousands)
+    reading = (path, tokenizer, max_length, vocab_size, chat_template_kwargs, special)
+    total = sum(1 for _ in numbered_lines(path))
+    chunks = line_chunks(path, chunk_rows)
+    pool = None
+    if workers > 1 and total > chunk_rows and "fork" in multiprocessing.get_all_start_methods():
+        from concurrent.futures import ProcessPoolExecutor
+        _READING = reading
+        # one thread per process (the processes are the parallelism); the tokenizers library also
+        # warns in every forked child once its parent has encoded in parallel
+        saved = os.environ.get("TOKENIZERS_PARALLELISM")
+        os.environ["TOKENIZERS_PARALLELISM"] = "false"
+        workers = min(workers, -(-total // chunk_rows))
+        pool = ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("fork"))
+        results = in_order(pool, _read_chunk, chunks, 4 * workers)
+    else:
+        results = (rows_documents(c, *reading) for c in chunks)
+    docs, stats = [], DocumentStats()
+    progress = Progress(total, f"data: tokenising {os.path.basename(path)}", log, unit="row")
+    try:
+        for chunk_docs, chunk_stats in results:
+            docs += chunk_docs
+            stats.add(chunk_stats)
+            progress(chunk_stats.counts["rows"], sum(len(t) for t, _ in chunk_docs))
+    finally:
+        progress.close()
+        if pool is not None:
+            pool.shutdown(cancel_futures=True)
+            _READING = None
+            if saved is None:
+                os.environ.pop("TOKENIZERS_PARALLELISM", None)
+            else:
+                os.environ["TOKENIZERS_PARALLELISM"] = saved
     stats.counts["documents"] = len(docs)
     stats.counts["loss_tokens"] = int(sum(sum(m) for _, m in docs))
     return docs, stats
@@ -539,7 +658,7 @@ def corpus_cache_key(paths, tokenizer, max_length, vocab_size, chat_template_kwa
 
 
 def load_corpus(paths, tokenizer, max_length, vocab_size, cache_dir, chat_template_kwargs=None, log=print,
-                max_bad_fraction=0.5):
+                max_bad_fraction=0.5, workers=1):
     """Every file's documents (read_documents), concatenated and cached; the stats are logged as a
     summary (counts by reason, a few examples), never row by row."""
     key = corpus_cache_key(paths, tokenizer, max_length, vocab_size, chat_template_kwargs)
@@ -552,7 +671,8 @@ def load_corpus(paths, tokenizer, max_length, vocab_size, cache_dir, chat_templa
     from tqdm import tqdm
     docs, stats = [], DocumentStats()
     for path in tqdm(paths, unit="file", disable=None if len(paths) > 1 else True, desc="tokenising"):
-        file_docs, file_stats = read_documents(path, tokenizer, max_length, vocab_size, chat_template_kwargs)
+        file_docs, file_stats = read_documents(path, tokenizer, max_length, vocab_size, chat_template_kwargs,
+                                               workers, log=log)
         docs += file_docs
         stats.add(file_stats)
     n_bad, rows = sum(stats.skipped_rows.values()), stats.counts["rows"]
@@ -699,7 +819,7 @@ def prepare_data(args, tokenizer, vocab_size, log):
     """The data stage end to end: tokenised corpus (cached), the fixed-shape batch sequence of its
     training documents, and rows of its held-out validation documents (--val-fraction)."""
     corpus = load_corpus(resolve_data_paths(args.data), tokenizer, args.max_length, vocab_size, args.cache_dir,
-                         args.chat_template_kwargs, log)
+                         args.chat_template_kwargs, log, workers=data_workers(args.data_workers))
     train_docs, val_docs = split_validation(corpus, args.val_fraction, args.seed)
     rows_per_batch = args.token_budget // args.max_length
     validation = validation_batches(corpus.subset(val_docs), args.max_length, args.seed, args.val_rows,
@@ -1938,31 +2058,6 @@ def join_workers(run, timeout_after_error=30.0):
 # all conversations of a chunk. Two backends give the same rows: the embedded engine (dm.generate,
 # one replica per GPU in threads) and an OpenAI-compatible chat-completions server.
 
-class GenerationProgress:
-    """A progress bar of turns with generated tokens/s and ETA (tqdm on a terminal), and a log
-    line a minute otherwise, for those who tail a log file."""
-
-    def __init__(self, total, desc, log=print, every_s=60.0):
-        from tqdm import tqdm
-        self.bar = tqdm(total=total, unit="turn", desc=desc, disable=None, dynamic_ncols=True)
-        self.total, self.desc, self.log, self.every_s = total, desc, log, every_s
-        self.t0 = self.last = time.perf_counter()
-        self.done = self.tokens = 0
-
-    def __call__(self, rows, tokens):
-        self.done, self.tokens = self.done + rows, self.tokens + tokens
-        now = time.perf_counter()
-        rate = self.tokens / max(now - self.t0, 1e-9)
-        self.bar.update(rows)
-        self.bar.set_postfix_str(f"{rate:,.0f} tok/s")
-        if self.bar.disable and now - self.last >= self.every_s:
-            self.last = now
-            self.log(f"{self.desc}: {self.done}/{self.total} turns, {self.tokens:,} tokens, {rate:,.0f} tokens/s")
-
-    def close(self):
-        self.bar.close()
-
-
 def regeneration_prompts(path, done_ids):
     """(rows to do [(id, messages without assistant turns)], DocumentStats of skips). Leading
     assistant turns are dropped (no request precedes them); rows without a user turn skipped."""
@@ -2154,7 +2249,7 @@ def regenerate(input_path, output, make_backend, window=4096, log=print, desc="r
     todo, skipped = regeneration_prompts(input_path, done_regeneration_ids(output))
     for line in skipped.summary()[1:]:
         log(f"input: {line.strip()}")
-    progress = GenerationProgress(sum(sum(m["role"] == "user" for m in c) for _, c in todo), desc, log)
+    progress = Progress(sum(sum(m["role"] == "user" for m in c) for _, c in todo), desc, log)
     t0 = time.perf_counter()
     backend = make_backend(progress)
     rejects = output + ".rejects.jsonl"

@@ -3,6 +3,7 @@ server shows the model for it, then exactly what the model writes. The expected 
 renderings written out here by hand from each template's documented format, not from
 apply_chat_template."""
 import json
+import os
 
 import numpy as np
 import pytest
@@ -180,6 +181,35 @@ def test_skips_and_truncations_are_summarised_not_printed_per_row(tmp_path):
     assert s.truncated == {"split into several documents to fit --max-length": 10}
     assert s.counts["loss_tokens"] == s.counts["assistant_tokens"] == 10 * 101
     assert len(logged) < 8 and any("7 x bad JSON" in m and "d.jsonl:11" in m for m in logged)
+
+
+def test_tokenising_processes_give_the_documents_and_counts_of_one(tmp_path):
+    """Chunks of rows tokenised by forked processes come back in file order: the same documents,
+    counts, reasons and examples as one process, whatever the chunk boundaries."""
+    from test_pipeline import chat_rows
+    tok = tiny_tokenizer()
+    multi = {"messages": [{"role": "user", "content": "q one"}, {"role": "assistant", "content": "a " * 40},
+                          {"role": "user", "content": "q two"}, {"role": "assistant", "content": "b " * 30}]}
+    rows = chat_rows(40) + ["{bad", multi, {"messages": [{"role": "user", "content": "q"}]},
+                            {"input_ids": [1, 2, 3, 4], "loss_mask": [0, 1, 1, 1]}, {"input_ids": [1, 2]}] + \
+        [multi] * 5 + chat_rows(13, seed=1) + ["{also bad"]
+    path = write_jsonl(tmp_path / "d.jsonl", rows)
+    one = tp.read_documents(path, tok, 48, len(tok), {}, workers=1, log=lambda m: None)
+    for workers, chunk_rows in ((2, 4), (3, 7), (2, 1000)):
+        many = tp.read_documents(path, tok, 48, len(tok), {}, workers=workers, chunk_rows=chunk_rows,
+                                 log=lambda m: None)
+        assert many[0] == one[0] and many[1].to_dict() == one[1].to_dict(), (workers, chunk_rows)
+    assert one[1].counts["rows"] == len(rows) and len(one[1].skipped_rows) >= 3
+    assert one[1].truncated and one[1].examples  # the chunking has reasons and examples to keep in order
+
+
+def test_a_tokenising_process_that_dies_stops_the_read_rather_than_hanging():
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+    from concurrent.futures.process import BrokenProcessPool
+    with ProcessPoolExecutor(2, mp_context=multiprocessing.get_context("fork")) as pool:
+        with pytest.raises(BrokenProcessPool):
+            list(tp.in_order(pool, os._exit, [1] * 6, 3))  # a worker killed mid-read, as by the OOM killer
 
 
 def test_cache_key_covers_tokenizer_contents_and_template_options(tmp_path):
