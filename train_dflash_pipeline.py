@@ -2731,6 +2731,8 @@ def regenerated_builtin_data(args, log):
         args.target_model, gpus, tokenizer, regen_args, progress), log=log, desc="demo: regenerating")
     log(f"demo: {summary['text']}")
     torch.cuda.empty_cache()  # the regenerating replica is gone: its cached blocks go too
+    for d in gpus:  # the training log's peak memory is training's, not the regeneration's
+        torch.cuda.reset_peak_memory_stats(d)
     open(done, "w").close()
     return out
 
