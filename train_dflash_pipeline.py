@@ -508,70 +508,42 @@ def rows_documents(lines, path, tokenizer, max_length, vocab_size, chat_template
     return docs, stats
 
 
-_READING = None  # what forked tokenising processes read their chunks with (set before the fork)
+_READING = None  # in a tokenising process: what rows_documents reads its chunks with
+
+
+def _start_reading(*reading):
+    global _READING
+    _READING = reading
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one thread a process: the processes are the parallelism
 
 
 def _read_chunk(lines):
     return rows_documents(lines, *_READING)
 
 
-def in_order(pool, fn, items, ahead):
-    """fn(item) for each item, by the pool's processes, in order, with at most `ahead` in flight
-    (a file is not read into memory ahead of its tokenising). A process that dies (killed, out of
-    memory) raises BrokenProcessPool here rather than leaving the caller waiting."""
-    pending = deque()
-    for item in items:
-        pending.append(pool.submit(fn, item))
-        if len(pending) >= ahead:
-            yield pending.popleft().result()
-    while pending:
-        yield pending.popleft().result()
-
-
-def line_chunks(path, chunk_rows):
-    """Lists of up to chunk_rows numbered_lines of a file, in order."""
-    chunk = []
-    for item in numbered_lines(path):
-        chunk.append(item)
-        if len(chunk) == chunk_rows:
-            yield chunk
-            chunk = []
-    if chunk:
-        yield chunk
-
-
-def data_workers(requested):
-    """Processes that tokenise: requested, or (0) one per CPU core, at most 32."""
-    return requested or min(32, os.cpu_count() or 1)
-
-
 def read_documents(path, tokenizer, max_length, vocab_size, chat_template_kwargs=None, workers=1, chunk_rows=256,
                    log=print):
     """Every document of one JSONL file, and its DocumentStats. Unusable rows are skipped and
-    counted by reason; so are turns that cannot be trained. With workers > 1, chunks of rows are
-    rendered and tokenised by that many forked processes (a chat template renders in Python, on
-    one core) and put back in file order: the same documents and counts as one process. Progress:
-    a bar of rows on a terminal, else a log line a minute."""
-    global _READING
+    counted by reason; so are turns that cannot be trained. With workers > 1 (0: one per CPU core,
+    at most 32), chunks of rows are rendered and tokenised by that many forked processes (a chat
+    template renders in Python, on one core) and put back in file order: the same documents and
+    counts as one process; a process that dies raises BrokenProcessPool. Progress: a bar of rows
+    on a terminal, else a log line a minute."""
     special = special_token_ids(tokenizer)  # once per file, not per row (Gemma 3 has thousands)
     reading = (path, tokenizer, max_length, vocab_size, chat_template_kwargs, special)
-    total = sum(1 for _ in numbered_lines(path))
-    chunks = line_chunks(path, chunk_rows)
+    lines = list(numbered_lines(path))
+    chunks = [lines[i:i + chunk_rows] for i in range(0, len(lines), chunk_rows)]
+    workers = min(workers or min(32, os.cpu_count() or 1), len(chunks))
     pool = None
-    if workers > 1 and total > chunk_rows and "fork" in multiprocessing.get_all_start_methods():
+    if workers > 1 and "fork" in multiprocessing.get_all_start_methods():
         from concurrent.futures import ProcessPoolExecutor
-        _READING = reading
-        # one thread per process (the processes are the parallelism); the tokenizers library also
-        # warns in every forked child once its parent has encoded in parallel
-        saved = os.environ.get("TOKENIZERS_PARALLELISM")
-        os.environ["TOKENIZERS_PARALLELISM"] = "false"
-        workers = min(workers, -(-total // chunk_rows))
-        pool = ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("fork"))
-        results = in_order(pool, _read_chunk, chunks, 4 * workers)
+        pool = ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("fork"),
+                                   initializer=_start_reading, initargs=reading)
+        results = pool.map(_read_chunk, chunks)
     else:
         results = (rows_documents(c, *reading) for c in chunks)
     docs, stats = [], DocumentStats()
-    progress = Progress(total, f"data: tokenising {os.path.basename(path)}", log, unit="row")
+    progress = Progress(len(lines), f"data: tokenising {os.path.basename(path)}", log, unit="row")
     try:
         for chunk_docs, chunk_stats in results:
             docs += chunk_docs
@@ -581,11 +553,6 @@ def read_documents(path, tokenizer, max_length, vocab_size, chat_template_kwargs
         progress.close()
         if pool is not None:
             pool.shutdown(cancel_futures=True)
-            _READING = None
-            if saved is None:
-                os.environ.pop("TOKENIZERS_PARALLELISM", None)
-            else:
-                os.environ["TOKENIZERS_PARALLELISM"] = saved
     stats.counts["documents"] = len(docs)
     stats.counts["loss_tokens"] = int(sum(sum(m) for _, m in docs))
     return docs, stats
@@ -819,7 +786,7 @@ def prepare_data(args, tokenizer, vocab_size, log):
     """The data stage end to end: tokenised corpus (cached), the fixed-shape batch sequence of its
     training documents, and rows of its held-out validation documents (--val-fraction)."""
     corpus = load_corpus(resolve_data_paths(args.data), tokenizer, args.max_length, vocab_size, args.cache_dir,
-                         args.chat_template_kwargs, log, workers=data_workers(args.data_workers))
+                         args.chat_template_kwargs, log, workers=args.data_workers)
     train_docs, val_docs = split_validation(corpus, args.val_fraction, args.seed)
     rows_per_batch = args.token_budget // args.max_length
     validation = validation_batches(corpus.subset(val_docs), args.max_length, args.seed, args.val_rows,

@@ -86,7 +86,7 @@ def main(argv=None):
     dump = open(args.dump, "w") if args.dump else None
     total, shown, all_spans = tp.DocumentStats(), 0, []
     for path in paths:
-        docs, stats = tp.read_documents(path, tokenizer, args.max_length, vocab, kwargs, tp.data_workers(0))
+        docs, stats = tp.read_documents(path, tokenizer, args.max_length, vocab, kwargs, workers=0)
         total.add(stats)
         print(f"{path}:")
         for line in stats.summary():

@@ -203,13 +203,17 @@ def test_tokenising_processes_give_the_documents_and_counts_of_one(tmp_path):
     assert one[1].truncated and one[1].examples  # the chunking has reasons and examples to keep in order
 
 
-def test_a_tokenising_process_that_dies_stops_the_read_rather_than_hanging():
-    import multiprocessing
-    from concurrent.futures import ProcessPoolExecutor
+def _killed(lines):  # a tokenising process killed mid-read, as by the OOM killer
+    os._exit(1)
+
+
+def test_a_tokenising_process_that_dies_stops_the_read_rather_than_hanging(tmp_path, monkeypatch):
     from concurrent.futures.process import BrokenProcessPool
-    with ProcessPoolExecutor(2, mp_context=multiprocessing.get_context("fork")) as pool:
-        with pytest.raises(BrokenProcessPool):
-            list(tp.in_order(pool, os._exit, [1] * 6, 3))  # a worker killed mid-read, as by the OOM killer
+    from test_pipeline import chat_rows
+    path = write_jsonl(tmp_path / "d.jsonl", chat_rows(40))
+    monkeypatch.setattr(tp, "_read_chunk", _killed)
+    with pytest.raises(BrokenProcessPool):
+        tp.read_documents(path, tiny_tokenizer(), 48, 128, {}, workers=2, chunk_rows=4, log=lambda m: None)
 
 
 def test_cache_key_covers_tokenizer_contents_and_template_options(tmp_path):
