@@ -2,6 +2,7 @@
 
     python scripts/benchmark.py                       # 2 GPUs: Qwen3-8B-shaped target on 0, drafter on 1
     python scripts/benchmark.py --preset small        # 1 GPU: a smaller target, both stages on GPU 0
+    python scripts/benchmark.py --preset smollm2-135m --skip scaling,beside   # 1 GPU: the GPU demo's shapes
     python scripts/benchmark.py --generation --gen-model builtin:smollm2-135m-instruct   # generation engine
 
 In one run: drafter step time eager / compiled / compiled+graph; target batch time eager / graph;
@@ -33,7 +34,13 @@ PRESETS = {
     # Qwen3-1.7B shapes: fits beside its drafter on one GPU
     "small": dict(vocab_size=151936, hidden_size=2048, intermediate_size=6144, num_hidden_layers=28,
                   num_attention_heads=16, num_key_value_heads=8, head_dim=128, rope_theta=1e6),
+    # SmolLM2-135M-Instruct shapes (the built-in target; Qwen3 layers of its sizes): the GPU demo's drafter
+    "smollm2-135m": dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+                         num_attention_heads=9, num_key_value_heads=3, head_dim=64, rope_theta=1e5),
 }
+# batch rows x row length of each preset unless given: the largest that fits an H200 at Qwen3-8B
+# shapes, one row of the small target, and the GPU demo's 8 x 2048
+PRESET_BATCH = {"qwen3-8b": (4, 3072), "small": (1, 3072), "smollm2-135m": (8, 2048)}
 
 
 # -----------------------------------------------------------------------------
@@ -472,7 +479,7 @@ def main():
     p.add_argument("--preset", choices=sorted(PRESETS), default=None,
                    help="qwen3-8b on 2+ GPUs (target GPU 0, drafter GPU 1); small on 1 GPU")
     p.add_argument("--rows", type=int, default=None, help="rows of --max-length per batch (token budget / max length)")
-    p.add_argument("--max-length", type=int, default=3072)
+    p.add_argument("--max-length", type=int, default=None, help="row length (default: the preset's)")
     p.add_argument("--anchors", type=int, default=512)
     p.add_argument("--block", type=int, default=16)
     p.add_argument("--draft-layers", type=int, default=5)
@@ -507,7 +514,8 @@ def main():
     if n_gpu == 0:
         raise SystemExit("benchmark.py needs a CUDA GPU")
     a.preset = a.preset or ("qwen3-8b" if n_gpu >= 2 else "small")
-    a.rows = a.rows or (4 if a.preset == "qwen3-8b" else 1)  # 4 x 3072: the largest that fits an H200
+    a.rows = a.rows or PRESET_BATCH[a.preset][0]
+    a.max_length = a.max_length or PRESET_BATCH[a.preset][1]
     skip = set(a.skip.split(","))
     from transformers import Qwen3Config
     cfg = Qwen3Config(**PRESETS[a.preset])
