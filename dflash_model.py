@@ -292,9 +292,10 @@ def compiled(fn):
     return torch.compile(fn, dynamic=False)
 
 
-# flex_attention's backward on Hopper (sm90) at head_dim 128: inductor's default block config
-# (64/128/128/64, 3 stages, 8 warps) took 11.1 ms per layer at the benchmark's shapes, 2 stages
-# 7.2 ms, with bitwise the same outputs and gradients (docs/benchmarks.md, third session).
+# flex_attention's backward on Hopper (sm90): inductor's default block config (3 stages) against
+# 2 stages, with bitwise the same outputs and gradients (docs/benchmarks.md): at head_dim 128
+# (Qwen3-8B shapes) 11.1 ms per layer against 7.2; at head_dim 64 (SmolLM2) the whole drafter
+# step 71.8 ms against 63.2.
 SM90_FLEX_BACKWARD = {"bwd_BLOCK_M1": 64, "bwd_BLOCK_N1": 128, "bwd_BLOCK_M2": 128, "bwd_BLOCK_N2": 64,
                       "bwd_num_stages": 2, "bwd_num_warps": 8}
 
@@ -305,7 +306,7 @@ def cuda_capability(device: str):
 
 
 def flex_kernel_options(device, head_dim):
-    if device.type == "cuda" and head_dim == 128 and cuda_capability(str(device)) == (9, 0):
+    if device.type == "cuda" and head_dim in (64, 128) and cuda_capability(str(device)) == (9, 0):
         return SM90_FLEX_BACKWARD
     return None
 

@@ -273,6 +273,36 @@ def test_flex_block_mask_on_gpu_equals_create_block_mask_forward_and_backward():
         assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize("D", [64, 128])
+def test_flex_backward_options_give_bitwise_the_same_gradients(D):
+    # The backward block config flex_kernel_options picks on Hopper is a speed choice only:
+    # output and q/k/v gradients equal inductor's default config's, bit for bit, over the
+    # drafter's block mask (grouped heads, lengths off the 128 tile).
+    from torch.nn.attention.flex_attention import flex_attention
+    B, L, A, bs, H, KV = 2, 1000, 100, 16, 9, 3
+    g = torch.Generator().manual_seed(0)
+    doc = torch.zeros(B, L, dtype=torch.long)
+    doc[0, 600:] = 1
+    anchors = torch.sort(torch.rand(B, L, generator=g).topk(A, dim=1).indices, dim=1).values.cuda()
+    doc = doc.cuda()
+    mask = dm.flex_block_mask(anchors, doc, bs, lambda b, h, q, kv: dm.block_visible(q, kv, anchors[b], doc[b], L, bs))
+    options = dm.flex_kernel_options(torch.device("cuda"), D)
+    if options is None:
+        pytest.skip("no backward options on this GPU")
+    q0 = torch.randn(B, H, A * bs, D, generator=g).cuda().bfloat16()
+    k0, v0 = torch.randn(2, B, KV, L + A * bs, D, generator=g).cuda().bfloat16()
+    results = []
+    for kernel_options in (None, options):
+        attend = torch.compile(lambda q, k, v: flex_attention(q, k, v, block_mask=mask, enable_gqa=True,
+                                                              kernel_options=kernel_options), dynamic=False)
+        q, k, v = (t.clone().requires_grad_() for t in (q0, k0, v0))
+        out = attend(q, k, v)
+        out.float().square().sum().backward()
+        results.append([out, q.grad, k.grad, v.grad])
+    for a, b in zip(*results):
+        assert torch.equal(a, b)
+
+
 def test_batched_decoding_graphed_equals_eager_and_is_lossless():
     """The generation engine on CUDA: each decode step replayed as a CUDA graph gives the eager
     step's tokens (greedy) and its speculation gives the greedy outputs, with a drafter and with

@@ -126,6 +126,18 @@ def test_block_mask_trace_does_not_grow_with_rows():
     assert node_counts[0] == node_counts[1], node_counts
 
 
+def test_flex_backward_options_only_where_measured(monkeypatch):
+    # Hopper at head_dim 64 and 128 (measured faster, bitwise the same: tests/test_gpu.py); else
+    # inductor's defaults (an untested config could fail to compile or run slower).
+    cuda, capability = torch.device("cuda", 0), {"value": (9, 0)}
+    monkeypatch.setattr(dm, "cuda_capability", lambda device: capability["value"])
+    assert dm.flex_kernel_options(cuda, 64) == dm.flex_kernel_options(cuda, 128) == dm.SM90_FLEX_BACKWARD
+    assert dm.flex_kernel_options(cuda, 96) is None
+    assert dm.flex_kernel_options(torch.device("cpu"), 64) is None
+    capability["value"] = (8, 0)
+    assert dm.flex_kernel_options(cuda, 64) is None and dm.flex_kernel_options(cuda, 128) is None
+
+
 def test_flex_attention_path_equals_dense_path():
     # The GPU training path (flex_attention over flex_block_mask) against the CPU one (SDPA with
     # the dense mask), forward only: flex_attention has no backward on CPU. Lengths off the
