@@ -120,7 +120,7 @@ def build_parser():
     a("--eval-max-new-tokens", type=int, default=64)
     a("--eval-turns", type=int, default=1, help="turns of each multi-turn held-out prompt to evaluate")
     a("--regen-max-new-tokens", type=int, default=512, help="GPU demo: longest regenerated reply")
-    a("--regen-batch-size", type=int, default=512,
+    a("--regen-batch-size", type=int, default=1024,
       help="GPU demo: rows the target decodes together while regenerating (fewer where the KV cache would not fit)")
     a("--fault-inject-step", type=int, default=None, help=argparse.SUPPRESS)  # tests: a worker raises here
     return p
