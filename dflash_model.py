@@ -292,10 +292,9 @@ def compiled(fn):
     return torch.compile(fn, dynamic=False)
 
 
-# flex_attention's backward on Hopper (sm90): inductor's default block config (3 stages) against
-# 2 stages, with bitwise the same outputs and gradients (docs/benchmarks.md): at head_dim 128
-# (Qwen3-8B shapes) 11.1 ms per layer against 7.2; at head_dim 64 (SmolLM2) the whole drafter
-# step 71.8 ms against 63.2.
+# flex_attention's backward on Hopper (sm90) at head_dim 64 and 128: 2 stages instead of
+# inductor's default 3, faster with bitwise the same outputs and gradients (docs/benchmarks.md,
+# third and fourteenth sessions).
 SM90_FLEX_BACKWARD = {"bwd_BLOCK_M1": 64, "bwd_BLOCK_N1": 128, "bwd_BLOCK_M2": 128, "bwd_BLOCK_N2": 64,
                       "bwd_num_stages": 2, "bwd_num_warps": 8}
 

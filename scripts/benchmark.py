@@ -477,7 +477,7 @@ def generation_throughput(a, report):
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--preset", choices=sorted(PRESETS), default=None,
-                   help="qwen3-8b on 2+ GPUs (target GPU 0, drafter GPU 1); small on 1 GPU")
+                   help="qwen3-8b on 2+ GPUs (target GPU 0, drafter GPU 1); small on 1 GPU; smollm2-135m: the GPU demo's shapes")
     p.add_argument("--rows", type=int, default=None, help="rows of --max-length per batch (token budget / max length)")
     p.add_argument("--max-length", type=int, default=None, help="row length (default: the preset's)")
     p.add_argument("--anchors", type=int, default=512)

@@ -238,12 +238,10 @@ def test_pipeline_compiled_end_to_end(tmp_path, tiny_model_dir, layout):
     assert os.path.exists(tmp_path / "o" / "final" / "model.safetensors")
 
 
-def test_flex_block_mask_on_gpu_equals_create_block_mask_forward_and_backward():
-    # The per-block BlockMask on the GPU, built eagerly and compiled (Triton), against
-    # create_block_mask's; then flex_attention's output and q/k/v gradients through each.
-    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
-    from test_model import BLOCK_MASK_FIELDS
-    B, L, A, bs, H, KV, D = 2, 1000, 100, 16, 4, 2, 128  # query/key lengths off the 128 tile
+def drafter_mask_case(H, KV, D):
+    """A drafter-shaped flex_attention case on the GPU: sorted anchors over two documents per row
+    (and padding), the block rule, q/k/v (query and key lengths off the 128 tile)."""
+    B, L, A, bs = 2, 1000, 100, 16
     g = torch.Generator().manual_seed(0)
     doc = torch.zeros(B, L, dtype=torch.long)
     doc[0, 600:], doc[1, 300:], doc[1, -5:] = 1, 1, -1
@@ -252,23 +250,36 @@ def test_flex_block_mask_on_gpu_equals_create_block_mask_forward_and_backward():
 
     def mask_mod(b, h, q, kv):
         return dm.block_visible(q, kv, anchors[b], doc[b], L, bs)
-    want = create_block_mask(mask_mod, B, None, A * bs, L + A * bs, device="cuda")
-    eager = dm.flex_block_mask(anchors, doc, bs, mask_mod)
-    compiled = torch.compile(lambda: [getattr(dm.flex_block_mask(anchors, doc, bs, mask_mod), f)
+    q = torch.randn(B, H, A * bs, D, generator=g).cuda().bfloat16()
+    k, v = torch.randn(2, B, KV, L + A * bs, D, generator=g).cuda().bfloat16()
+    return types.SimpleNamespace(B=B, L=L, A=A, bs=bs, anchors=anchors, doc=doc, mask_mod=mask_mod, q=q, k=k, v=v)
+
+
+def flex_output_and_grads(attend, case):
+    """[output, q.grad, k.grad, v.grad] of attend(q, k, v) under a squared-sum loss."""
+    q, k, v = (t.clone().requires_grad_() for t in (case.q, case.k, case.v))
+    out = attend(q, k, v)
+    out.float().square().sum().backward()
+    return [out, q.grad, k.grad, v.grad]
+
+
+def test_flex_block_mask_on_gpu_equals_create_block_mask_forward_and_backward():
+    # The per-block BlockMask on the GPU, built eagerly and compiled (Triton), against
+    # create_block_mask's; then flex_attention's output and q/k/v gradients through each.
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+    from test_model import BLOCK_MASK_FIELDS
+    c = drafter_mask_case(H=4, KV=2, D=128)
+    want = create_block_mask(c.mask_mod, c.B, None, c.A * c.bs, c.L + c.A * c.bs, device="cuda")
+    eager = dm.flex_block_mask(c.anchors, c.doc, c.bs, c.mask_mod)
+    compiled = torch.compile(lambda: [getattr(dm.flex_block_mask(c.anchors, c.doc, c.bs, c.mask_mod), f)
                                       for f in BLOCK_MASK_FIELDS], fullgraph=True)()
-    for f, c in zip(BLOCK_MASK_FIELDS, compiled):  # values, and the (contiguous) layout flex's kernels assume
-        assert torch.equal(getattr(eager, f), getattr(want, f)) and torch.equal(c, getattr(want, f)), f
-        assert getattr(eager, f).stride() == c.stride() == getattr(want, f).stride(), f
+    for f, cf in zip(BLOCK_MASK_FIELDS, compiled):  # values, and the (contiguous) layout flex's kernels assume
+        assert torch.equal(getattr(eager, f), getattr(want, f)) and torch.equal(cf, getattr(want, f)), f
+        assert getattr(eager, f).stride() == cf.stride() == getattr(want, f).stride(), f
 
     attend = torch.compile(flex_attention, dynamic=False)
-    q0 = torch.randn(B, H, A * bs, D, generator=g).cuda().bfloat16()
-    k0, v0 = torch.randn(2, B, KV, L + A * bs, D, generator=g).cuda().bfloat16()
-    results = []
-    for mask in (want, eager):
-        q, k, v = (t.clone().requires_grad_() for t in (q0, k0, v0))
-        out = attend(q, k, v, block_mask=mask, enable_gqa=True)
-        out.float().square().sum().backward()
-        results.append([out, q.grad, k.grad, v.grad])
+    results = [flex_output_and_grads(lambda q, k, v: attend(q, k, v, block_mask=mask, enable_gqa=True), c)
+               for mask in (want, eager)]
     for a, b in zip(*results):
         assert torch.equal(a, b)
 
@@ -277,28 +288,18 @@ def test_flex_block_mask_on_gpu_equals_create_block_mask_forward_and_backward():
 def test_flex_backward_options_give_bitwise_the_same_gradients(D):
     # The backward block config flex_kernel_options picks on Hopper is a speed choice only:
     # output and q/k/v gradients equal inductor's default config's, bit for bit, over the
-    # drafter's block mask (grouped heads, lengths off the 128 tile).
+    # drafter's block mask (grouped heads as SmolLM2's, lengths off the 128 tile).
     from torch.nn.attention.flex_attention import flex_attention
-    B, L, A, bs, H, KV = 2, 1000, 100, 16, 9, 3
-    g = torch.Generator().manual_seed(0)
-    doc = torch.zeros(B, L, dtype=torch.long)
-    doc[0, 600:] = 1
-    anchors = torch.sort(torch.rand(B, L, generator=g).topk(A, dim=1).indices, dim=1).values.cuda()
-    doc = doc.cuda()
-    mask = dm.flex_block_mask(anchors, doc, bs, lambda b, h, q, kv: dm.block_visible(q, kv, anchors[b], doc[b], L, bs))
     options = dm.flex_kernel_options(torch.device("cuda"), D)
     if options is None:
         pytest.skip("no backward options on this GPU")
-    q0 = torch.randn(B, H, A * bs, D, generator=g).cuda().bfloat16()
-    k0, v0 = torch.randn(2, B, KV, L + A * bs, D, generator=g).cuda().bfloat16()
+    c = drafter_mask_case(H=9, KV=3, D=D)
+    mask = dm.flex_block_mask(c.anchors, c.doc, c.bs, c.mask_mod)
     results = []
     for kernel_options in (None, options):
         attend = torch.compile(lambda q, k, v: flex_attention(q, k, v, block_mask=mask, enable_gqa=True,
                                                               kernel_options=kernel_options), dynamic=False)
-        q, k, v = (t.clone().requires_grad_() for t in (q0, k0, v0))
-        out = attend(q, k, v)
-        out.float().square().sum().backward()
-        results.append([out, q.grad, k.grad, v.grad])
+        results.append(flex_output_and_grads(attend, c))
     for a, b in zip(*results):
         assert torch.equal(a, b)
 
