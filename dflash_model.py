@@ -762,9 +762,6 @@ def grouped_attention(module, query, key, value, attention_mask, dropout=0.0, sc
     Registered with transformers as "dflash_decode"; same result as its SDPA attention."""
     B, H, q, D = query.shape
     G = H // key.shape[1]
-    if G > 1 and attention_mask is not None and G * q >= 2 * H * D:
-        # a long query (a prefill): the mask copied G times would outweigh the cache repeated per head
-        key, value, G = key.repeat_interleave(G, 1), value.repeat_interleave(G, 1), 1
     if G > 1:
         query = query.reshape(B, H // G, G * q, D)
         if attention_mask is not None and attention_mask.shape[1] == 1:

@@ -401,24 +401,22 @@ def test_finished_rows_are_refilled_and_decode_as_transformers_does(monkeypatch)
 
 def test_grouped_decoding_attention_equals_the_models_own(monkeypatch):
     """The decoder's grouped-query attention (the KV cache read once per KV head) gives the
-    logits of transformers' own attention, at one token and at a block, rows of mixed lengths,
-    and at a prefill long enough to take the cache repeated per head instead."""
+    logits of transformers' own attention, at one token and at a block, rows of mixed lengths."""
     target = tiny_target(dtype=torch.float64, init_std=0.15, vocab=128)  # 4 query heads share 2 KV heads
-    queries = []  # query lengths it was called at
+    calls = []
     real = dm.grouped_attention
-    monkeypatch.setattr(dm, "grouped_attention", lambda m, q, *a, **k: queries.append(q.shape[2]) or real(m, q, *a, **k))
+    monkeypatch.setattr(dm, "grouped_attention", lambda *a, **k: calls.append(1) or real(*a, **k))
     dm._register_grouped_attention.cache_clear()
-    long = [int(t) for t in torch.randint(3, 128, (70,), generator=torch.Generator().manual_seed(1))]  # 2 x 70 >= 2 x 4 x 16
-    prompts = [[5, 6, 7, 8, 9], long, [12, 13, 14]]
+    prompts = [[5, 6, 7, 8, 9], [10, 11], [12, 13, 14]]
     outs = []
     for grouped in (True, False):
-        d = dm.BatchDecoder(target, 3, 96, grouped=grouped)
+        d = dm.BatchDecoder(target, 3, 32, grouped=grouped)
         first, _ = d.prefill(prompts)
         one, _ = d.step(first.argmax(-1)[:, None])
         d.advance(torch.ones(3, dtype=torch.long))
         block, _ = d.step(torch.randint(3, 128, (3, 4), generator=torch.Generator().manual_seed(0)))
         outs.append((first, one, block))
-    assert {1, 4, 70} <= set(queries) and target.config._attn_implementation == "sdpa"  # restored after
+    assert calls and target.config._attn_implementation == "sdpa"  # used while decoding, restored after
     for a, b in zip(*outs):
         torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-9)
     dm._register_grouped_attention.cache_clear()
