@@ -505,8 +505,10 @@ def test_the_gpu_demo_trains_on_regenerated_data_unless_data_is_typed(monkeypatc
     assert tp.apply_demo_defaults(parser, parser.parse_args(argv), argv).data == [tp.BUILTIN_DATA]
     args = tp.apply_demo_defaults(parser, parser.parse_args([]), [])
     assert args.decay_ratio == 0.2 and args.max_steps == 6000  # the peak held, decayed over the last 1,200
-    argv = ["--decay-ratio", "1.0"]  # the default's value, typed: the cosine over every step
-    assert tp.apply_demo_defaults(parser, parser.parse_args(argv), argv).decay_ratio == 1.0
+    assert args.loss_decay_gamma == 3.0
+    argv = ["--decay-ratio", "1.0", "--loss-decay-gamma", "7"]  # typed: the cosine over every step, the published gamma
+    typed = tp.apply_demo_defaults(parser, parser.parse_args(argv), argv)
+    assert typed.decay_ratio == 1.0 and typed.loss_decay_gamma == 7.0
     monkeypatch.undo()
     assert tp.main(["--data", tp.BUILTIN_REGENERATED, "--output-dir", str(tmp_path / "o")]) == 2
 
