@@ -1,0 +1,188 @@
+"""The regeneration's decode step (dm.BatchDecoder.step, one new token a row, replayed as a CUDA
+graph) at the GPU demo's shapes, with candidate attention paths against today's. Today the step is
+grouped_attention: SDPA under an additive [rows, 1, q, slots] mask, for which PyTorch picks
+cuDNN's kernel; it was 14.0 of 17.7 ms at 1024 rows x 1280 slots (docs/benchmarks.md, sixteenth
+session), reading every slot of every row at about half the H200's bandwidth. Candidates:
+
+- sdpa, efficient: the same call with SDPA's memory-efficient kernel forced;
+- bmm: two batched matmuls (scores in fp32 from bf16 operands) and a softmax between them;
+- flex: flex_attention (compiled) under a BlockMask built from each row's first slot and
+  verified length, so 128-slot tiles a row does not use yet are skipped;
+- compiled layers: today's attention with each decoder layer compiled by inductor (the
+  elementwise work around it fused: the step's fixed cost, about 4 ms at 8 rows).
+
+Each runs on the same cache state: prompts of varied length within a chunk (as length_batches
+makes them) and rows part-way through their 256 new tokens. Printed: ms per graphed step, and
+against today's logits, the largest difference and the share of rows whose greedy token agrees.
+SmolLM2-135M-Instruct's shapes with random bf16 weights; nothing downloaded. On a CPU it runs a
+two-layer model at one small shape (a check that every path runs, not a measurement).
+
+    python scripts/experiments/decode_attention.py"""
+import os, sys, time, traceback
+import torch
+import torch.nn.functional as F
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path[:0] = [ROOT, os.path.join(ROOT, "scripts")]
+import dflash_model as dm
+from transformers import AttentionInterface, LlamaConfig, LlamaForCausalLM
+
+CUDA = torch.cuda.is_available()
+DEV = torch.device("cuda:0" if CUDA else "cpu")
+NEW = 256  # new tokens a row decodes (the demo's --regen-max-new-tokens)
+
+
+def expand_mask(mask, G, q):
+    """[B, 1, q, S] -> [B, 1, G * q, S]: the mask of each query repeated for a group's heads."""
+    B, _, _, S = mask.shape
+    return mask[:, :, None].expand(B, 1, G, q, S).reshape(B, 1, G * q, S)
+
+
+def bmm_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
+    B, H, q, D = query.shape
+    Hk, S = key.shape[1], key.shape[2]
+    G = H // Hk
+    qg = query.reshape(B * Hk, G * q, D)
+    kt = key.reshape(B * Hk, S, D).transpose(1, 2)
+    if query.is_cuda:  # fp32 scores straight from the bf16 operands (cuBLAS accumulates in fp32)
+        scores = torch.bmm(qg, kt, out_dtype=torch.float32)
+    else:
+        scores = torch.bmm(qg.float(), kt.float())
+    scores = scores.view(B, Hk, G * q, S) * (scaling if scaling is not None else D ** -0.5)
+    scores = scores + expand_mask(attention_mask, G, q).float()
+    probs = torch.softmax(scores, -1).to(value.dtype).view(B * Hk, G * q, S)
+    out = torch.bmm(probs, value.reshape(B * Hk, S, D)).view(B, H, q, D)
+    return out.transpose(1, 2).contiguous(), None
+
+
+def flex_attention_fn(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
+    from torch.nn.attention.flex_attention import flex_attention
+    out = dm.compiled(flex_attention)(query, key, value, block_mask=attention_mask, scale=scaling,
+                                      enable_gqa=query.shape[1] != key.shape[1])
+    return out.transpose(1, 2).contiguous(), None
+
+
+AttentionInterface.register("decode_bmm", bmm_attention)
+AttentionInterface.register("decode_flex", flex_attention_fn)
+
+
+class FlexDecoder(dm.BatchDecoder):
+    """Decode steps under a BlockMask: row b's query i sees slots [pad[b], pad[b] + next_pos[b] + i];
+    a 128-slot tile outside that is skipped, one wholly inside the verified part needs no mask."""
+    tile = 128
+
+    def _step_eager(self, ids):
+        from torch.nn.attention.flex_attention import BlockMask
+        q, S, t = ids.shape[1], self.S, self.tile
+        positions = self.next_pos[:, None] + torch.arange(q, device=self.device)
+        slots = self.pad[:, None] + positions
+        first, last = self.pad, self.pad + self.next_pos + q - 1  # [B]: the slots any query may see
+        start = torch.arange(-(-S // t), device=self.device) * t
+        end = (start + t - 1).clamp(max=S - 1)
+        some = (start[None] <= last[:, None]) & (end[None] >= first[:, None])
+        full = (start[None] >= first[:, None]) & (end[None] <= (self.pad + self.next_pos)[:, None]) & \
+            (start + t <= S)[None]
+        kv_num, kv_idx = dm.ordered_blocks((some & ~full)[:, None, None])
+        full_num, full_idx = dm.ordered_blocks(full[:, None, None])
+        pad, verified = self.pad, self.next_pos
+
+        def mask_mod(b, h, q_idx, kv_idx):
+            return (kv_idx >= pad[b]) & (kv_idx <= pad[b] + verified[b] + q_idx)
+
+        mask = BlockMask.from_kv_blocks(kv_num, kv_idx, full_num, full_idx, BLOCK_SIZE=(t, t), mask_mod=mask_mod,
+                                        seq_lengths=(q, S), compute_q_blocks=False)
+        self.cache.write_slots = slots
+        with self.attention:
+            return self.model(input_ids=ids, position_ids=positions, attention_mask=mask, use_cache=True,
+                              **{self.kw: self.cache}).logits, None
+
+
+def build_model():
+    cfg = LlamaConfig(hidden_size=576, intermediate_size=1536, num_hidden_layers=30 if CUDA else 2,
+                      num_attention_heads=9, num_key_value_heads=3, vocab_size=49152, max_position_embeddings=8192,
+                      rope_theta=100000.0, tie_word_embeddings=True)
+    torch.manual_seed(0)
+    with torch.device(DEV):
+        return LlamaForCausalLM(cfg).to(torch.bfloat16 if CUDA else torch.float32).eval()
+
+
+def sync():
+    if CUDA:
+        torch.cuda.synchronize()
+
+
+@torch.no_grad()
+def prepared(cls, model, rows, slots, seed):
+    """A decoder part-way through a chunk: prompt lengths spread over the chunk's last 256 slots
+    of prompt, each row 0-255 tokens into its answer (the cache holds the prompts)."""
+    g = torch.Generator().manual_seed(seed)
+    P = slots - NEW
+    lengths = torch.randint(max(1, P - 255), P + 1, (rows,), generator=g)
+    vocab = model.config.vocab_size
+    d = cls(model, rows, slots, graph=CUDA)
+    d.prefill([torch.randint(0, vocab, (int(n),), generator=g).tolist() for n in lengths])
+    d.next_pos += torch.randint(0, NEW - 1, (rows,), generator=g).to(DEV)
+    return d
+
+
+CANDIDATES = {  # name: (decoder class, attention implementation, SDPA backends or None, compiled layers)
+    "sdpa (today)": (dm.BatchDecoder, None, None, False),
+    "sdpa, efficient": (dm.BatchDecoder, None, "EFFICIENT_ATTENTION", False),
+    "bmm": (dm.BatchDecoder, "decode_bmm", None, False),
+    "flex": (FlexDecoder, "decode_flex", None, False),
+    "sdpa, compiled layers": (dm.BatchDecoder, None, None, True),
+}
+
+
+def run(model, name, rows, slots, ids, reference):
+    cls, attention, backend, compile_layers = CANDIDATES[name]
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    import contextlib
+    chosen = sdpa_kernel([getattr(SDPBackend, backend)]) if backend else contextlib.nullcontext()
+    for layer in dm.decoder_layers(model):
+        layer._compiled_call_impl = None
+        if compile_layers:
+            layer.compile(dynamic=False)
+    d = prepared(cls, model, rows, slots, seed=rows + slots)
+    if attention:
+        d.attention = dm.attention_implementation(model, attention)
+    with chosen, torch.no_grad():
+        t0 = time.perf_counter()
+        logits = d.step(ids)[0][:, -1].float().clone()  # the first call compiles and captures
+        sync()
+        first = time.perf_counter() - t0
+        n = 50 if CUDA else 2
+        t0 = time.perf_counter()
+        for _ in range(n):
+            d.step(ids)
+        sync()
+        ms = (time.perf_counter() - t0) / n * 1e3
+    d.release()
+    if CUDA:
+        torch.cuda.empty_cache()
+    diff = "" if reference is None else (
+        f"; vs today: max |logit diff| {(logits - reference).abs().max().item():.3g}, "
+        f"greedy token agrees on {(logits.argmax(-1) == reference.argmax(-1)).float().mean().item():.1%} of rows")
+    print(f"  {name:24s} {ms:7.2f} ms/step ({rows / ms * 1e3:9,.0f} tokens/s if every row decodes; first call "
+          f"{first:.1f}s){diff}", flush=True)
+    return logits
+
+
+def main():
+    model = build_model()
+    shapes = [(1024, 512), (1024, 1280), (1024, 2304), (64, 2304)] if CUDA else [(4, 384)]
+    print(f"decode step: {sum(p.numel() for p in model.parameters()) / 1e6:.0f}M-parameter SmolLM2-shaped model "
+          f"on {DEV}", flush=True)
+    for rows, slots in shapes:
+        print(f"rows {rows}, slots {slots}:", flush=True)
+        ids = torch.randint(0, model.config.vocab_size, (rows, 1), device=DEV)
+        reference = None
+        for name in CANDIDATES:
+            try:
+                logits = run(model, name, rows, slots, ids, reference)
+                reference = logits if reference is None else reference
+            except Exception:
+                print(f"  {name:24s} failed: {traceback.format_exc(limit=3)[-600:]}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
