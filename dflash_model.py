@@ -778,6 +778,26 @@ def _register_grouped_attention():
     return "dflash_decode"
 
 
+def flex_attention_for_transformers(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
+    """A transformers model's attention as flex_attention under the BlockMask given as its
+    attention_mask (registered as "dflash_flex"): the target stage's document mask, the
+    decoder's per-row mask."""
+    from torch.nn.attention.flex_attention import flex_attention
+    if kwargs.get("softcap") is not None:
+        raise ValueError("flex attention does not apply attention logit soft-capping: use the dense (target stage) "
+                         "or grouped (decoder) attention for this model")
+    attn = flex_attention if torch.compiler.is_compiling() else compiled(flex_attention)
+    out = attn(query, key, value, block_mask=attention_mask, scale=scaling, enable_gqa=query.shape[1] != key.shape[1])
+    return out.transpose(1, 2).contiguous(), None
+
+
+@functools.cache
+def register_flex_attention():
+    from transformers import AttentionInterface
+    AttentionInterface.register("dflash_flex", flex_attention_for_transformers)
+    return "dflash_flex"
+
+
 class attention_implementation:
     """Within the block, the model's layers use the named attention (restored after)."""
 
@@ -802,33 +822,64 @@ def additive_mask(allowed, dtype):
         ~allowed, torch.finfo(dtype).min)[:, None]
 
 
+def decode_block_mask(pad, verified, live, q, slots, tile=128):
+    """flex_attention's BlockMask of a decode step of q tokens a row: row b's query i sees slots
+    [pad[b], pad[b] + verified[b] + i], none if not live[b] (a finished row reads nothing). Of
+    the slots' tiles, those outside a row's span are skipped and those inside its verified part
+    need no mask, so a step reads what each row uses, not every slot of every row."""
+    from torch.nn.attention.flex_attention import BlockMask
+    start = torch.arange(-(-slots // tile), device=pad.device) * tile
+    end = (start + tile - 1).clamp(max=slots - 1)
+    first, last = pad[:, None], (pad + verified + q - 1)[:, None]
+    some = (start[None] <= last) & (end[None] >= first) & live[:, None]
+    full = some & (start[None] >= first) & (end[None] <= (pad + verified)[:, None]) & (start + tile <= slots)[None]
+    kv_num, kv_idx = ordered_blocks((some & ~full)[:, None, None])
+    full_num, full_idx = ordered_blocks(full[:, None, None])
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        return (kv_idx >= pad[b]) & (kv_idx <= pad[b] + verified[b] + q_idx)
+
+    return BlockMask.from_kv_blocks(kv_num, kv_idx, full_num, full_idx, BLOCK_SIZE=(tile, tile), mask_mod=mask_mod,
+                                    seq_lengths=(q, slots), compute_q_blocks=False)
+
+
+DECODE_ATTENTION = ("grouped", "model", "flex")
+
+
 class BatchDecoder:
     """A target decoding `batch` rows over `slots` cache slots (see the section comment). With
     graph=True (CUDA) each step width q is captured once as a CUDA graph and replayed. layer_ids:
-    target layers whose outputs step() also returns (the drafter's features). grouped: the
-    target's attention by grouped_attention (else the model's own)."""
+    target layers whose outputs step() also returns (the drafter's features). attention: the
+    target's attention, by grouped_attention ("grouped"), the model's own ("model"), or in the
+    steps flex_attention under decode_block_mask ("flex": reads only the slots each live row
+    uses; prefills stay grouped)."""
 
-    def __init__(self, model, batch, slots, layer_ids=(), graph=False, prefill_elements=2**27, grouped=True):
+    def __init__(self, model, batch, slots, layer_ids=(), graph=False, prefill_elements=2**27, attention="grouped"):
         check_batchable(model.config)
+        if attention not in DECODE_ATTENTION:
+            raise ValueError(f"attention {attention!r}: one of {DECODE_ATTENTION}")
         p = next(model.parameters())
         self.model, self.B, self.S, self.device, self.dtype = model, batch, slots, p.device, p.dtype
         self.cache = _slot_cache_class()(model.config, batch, slots, p.dtype, p.device)
         self.layer_ids, self.kw = list(layer_ids), cache_kwarg(model)
         self.use_graph = graph and p.device.type == "cuda"
         self.attention = attention_implementation(
-            model, _register_grouped_attention() if grouped else model.config._attn_implementation)
+            model, model.config._attn_implementation if attention == "model" else _register_grouped_attention())
+        self.flex = attention == "flex"
+        self.step_attention = attention_implementation(model, register_flex_attention()) if self.flex else self.attention
         self.prefill_elements = prefill_elements  # rows x prompt x slots per prefill chunk (mask memory)
         self.graphs = {}
         # Per-row state, updated in place: a captured step reads these buffers where they are.
         self.pad = torch.zeros(batch, dtype=torch.long, device=p.device)       # slot of the row's position 0
         self.next_pos = torch.zeros(batch, dtype=torch.long, device=p.device)  # the row's verified tokens
+        self.live = torch.ones(batch, dtype=torch.bool, device=p.device)       # rows still decoding (flex reads only theirs)
         self.slot = torch.arange(slots, device=p.device)
 
-    def _forward(self, ids, positions, slots, allowed, last_only=False):
+    def _forward(self, ids, positions, slots, mask, attention, last_only=False):
         self.cache.write_slots = slots
-        with capture_layer_outputs(self.model, self.layer_ids) as feats, self.attention:
+        with capture_layer_outputs(self.model, self.layer_ids) as feats, attention:
             # last_only: logits of the last position only (a prefill's [rows, P, vocab] would not fit)
-            logits = self.model(input_ids=ids, position_ids=positions, attention_mask=additive_mask(allowed, self.dtype),
+            logits = self.model(input_ids=ids, position_ids=positions, attention_mask=mask,
                                 use_cache=True, logits_to_keep=1 if last_only else 0, **{self.kw: self.cache}).logits
         return logits, (torch.cat(feats, -1) if self.layer_ids else None)
 
@@ -865,7 +916,8 @@ class BatchDecoder:
             for r0 in range(0, n, step):
                 part = slice(r0, min(n, r0 + step))
                 cache.rows = part
-                lg, ft = self._forward(ids[part], pos[part], slots, allowed[part], last_only=True)
+                lg, ft = self._forward(ids[part], pos[part], slots, additive_mask(allowed[part], self.dtype),
+                                       self.attention, last_only=True)
                 logits.append(lg[:, -1])
                 feats.append(ft)
         finally:
@@ -896,8 +948,12 @@ class BatchDecoder:
         q = ids.shape[1]
         positions = self.next_pos[:, None] + torch.arange(q, device=self.device)
         slots = self.pad[:, None] + positions  # [B, q]
-        allowed = (self.slot[None, None, :] >= self.pad[:, None, None]) & (self.slot[None, None, :] <= slots[:, :, None])
-        return self._forward(ids, positions, slots, allowed)
+        if self.flex:
+            mask = decode_block_mask(self.pad, self.next_pos, self.live, q, self.S)
+        else:
+            allowed = (self.slot[None, None, :] >= self.pad[:, None, None]) & (self.slot[None, None, :] <= slots[:, :, None])
+            mask = additive_mask(allowed, self.dtype)
+        return self._forward(ids, positions, slots, mask, self.step_attention)
 
     def step(self, ids):
         """ids [B, q] right after each row's verified tokens; returns (logits [B, q, V], features
@@ -970,13 +1026,30 @@ def cache_plan(model, cache_fraction=0.5):
     return per_slot, budget
 
 
-def decoder_batches(model, prompts, batch_size, new_slots, layer_ids=(), graph=True, grouped=True):
-    """(prompt indices, BatchDecoder) per cache shape of length_batches(): the prompts of
-    consecutive batches of the same shape share one decoder, the next shape's cache is allocated
-    only after the last one is let go."""
+def one_decoder_batch(prompts, batch_size, slots, cache_bytes_per_slot, cache_budget):
+    """[(every prompt index, by length, rows, slots)]: all prompts in one decoder of batch_size
+    rows (fewer where its cache would pass cache_budget), whatever the prompts' number, so calls
+    with the same slots share one captured step."""
+    rows = batch_size
+    while rows > 1 and rows * slots * cache_bytes_per_slot > cache_budget:
+        rows //= 2
+    return [(sorted(range(len(prompts)), key=lambda i: len(prompts[i])), rows, slots)]
+
+
+def decoder_batches(model, prompts, batch_size, new_slots, layer_ids=(), graph=True, attention="grouped"):
+    """(prompt indices, BatchDecoder) per cache shape: of length_batches(), where prompts of
+    about the same length share a cache sized for them (the prompts of consecutive batches of
+    the same shape share one decoder, the next shape's cache is allocated only after the last one
+    is let go); with flex attention, which reads only the slots each row uses, one decoder for
+    every prompt, its slots rounded to 1024 (few shapes to compile), its rows refilled across
+    lengths."""
+    if attention == "flex":
+        plan = one_decoder_batch(prompts, batch_size, slots_for(max(map(len, prompts)), new_slots, granule=1024),
+                                 *cache_plan(model))
+    else:
+        plan = length_batches(prompts, batch_size, lambda n: slots_for(n, new_slots), *cache_plan(model))
     groups = []
-    for idx, rows, slots in length_batches(prompts, batch_size, lambda n: slots_for(n, new_slots),
-                                           *cache_plan(model)):
+    for idx, rows, slots in plan:
         if groups and groups[-1][1:] == (rows, slots):
             groups[-1][0].extend(idx)
         else:
@@ -985,7 +1058,7 @@ def decoder_batches(model, prompts, batch_size, new_slots, layer_ids=(), graph=T
     for idx, rows, slots in groups:
         if decoder is not None:  # the caller still holds it: its memory goes before the next is allocated
             decoder.release()
-        decoder = BatchDecoder(model, rows, slots, layer_ids, graph, grouped=grouped)
+        decoder = BatchDecoder(model, rows, slots, layer_ids, graph, attention=attention)
         yield idx, decoder
 
 
@@ -1006,23 +1079,24 @@ def cut_at_stop(tokens, stop, max_new_tokens):
 
 @torch.no_grad()
 def generate(model, prompts, max_new_tokens, stop_token_ids=(), batch_size=64, temperature=0.0, top_p=1.0,
-             seed=0, graph=True, progress=None, grouped=True):
+             seed=0, graph=True, progress=None, attention="grouped"):
     """Completions of every prompt (lists of token ids), in order: [(tokens, 'stop' | 'length')].
     Greedy at temperature 0 (equal to transformers' generate with do_sample=False), sampled
-    otherwise (seeded). progress(rows_done, new_tokens) as rows finish. grouped: see
-    BatchDecoder."""
+    otherwise (seeded). progress(rows_done, new_tokens) as rows finish. attention: see
+    BatchDecoder and decoder_batches."""
     stop = set(int(t) for t in stop_token_ids)
     dev = next(model.parameters()).device
     stop_t = torch.tensor(sorted(stop) or [-1], device=dev)
     gen = torch.Generator(device=dev).manual_seed(seed)
     results = [None] * len(prompts)
-    for group, decoder in decoder_batches(model, prompts, batch_size, max_new_tokens, graph=graph, grouped=grouped):
+    for group, decoder in decoder_batches(model, prompts, batch_size, max_new_tokens, graph=graph, attention=attention):
         # Rows run continuously: every 16 steps (one host sync) the finished rows hand in their
         # outputs and take the group's next prompts, so the batch stays full while replies end
         # at different lengths.
         B, queue = decoder.B, collections.deque(group)
         owner = [queue.popleft() if queue else None for _ in range(B)]  # the prompt each row decodes
-        logits, _ = decoder.prefill([prompts[i] for i in owner if i is not None])
+        filled = [r for r, i in enumerate(owner) if i is not None]  # the others are never read
+        logits, _ = decoder.prefill([prompts[owner[r]] for r in filled], rows=filled)
         out = torch.zeros(B, max_new_tokens, dtype=torch.long, device=dev)
         count = torch.zeros(B, dtype=torch.long, device=dev)  # tokens each row has generated
         done = torch.tensor([i is None for i in owner], device=dev)
@@ -1035,7 +1109,8 @@ def generate(model, prompts, max_new_tokens, stop_token_ids=(), batch_size=64, t
             count.add_(take.long())
             done.logical_or_(take & (torch.isin(tok, stop_t) | (count >= max_new_tokens)))
 
-        tok = pick_tokens(logits, temperature, top_p, gen)
+        tok = torch.zeros(B, dtype=torch.long, device=dev)
+        tok[torch.tensor(filled, device=dev)] = pick_tokens(logits, temperature, top_p, gen)
         record(tok)
         for step in itertools.count(1):
             if step % 16 == 0:
@@ -1057,6 +1132,7 @@ def generate(model, prompts, max_new_tokens, stop_token_ids=(), batch_size=64, t
                     record(tok, torch.isin(rows, r_t))  # the others have recorded theirs
                 if all(o is None for o in owner):
                     break
+            decoder.live.copy_(~done)
             logits, _ = decoder.step(tok[:, None])
             decoder.advance((~done).long())  # a finished row stays where it is
             tok = pick_tokens(logits[:, -1], temperature, top_p, gen)

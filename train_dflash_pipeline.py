@@ -123,6 +123,8 @@ def build_parser():
     a("--regen-max-new-tokens", type=int, default=512, help="GPU demo: longest regenerated reply")
     a("--regen-batch-size", type=int, default=1024,
       help="GPU demo: rows the target decodes together while regenerating (fewer where the KV cache would not fit)")
+    a("--regen-attention", choices=["grouped", "flex"], default="grouped",
+      help="GPU demo: the regeneration's decode attention (see scripts/regenerate_data.py --attention)")
     a("--fault-inject-step", type=int, default=None, help=argparse.SUPPRESS)  # tests: a worker raises here
     return p
 
@@ -851,24 +853,6 @@ def document_block_mask(doc_ids, sliding_window=None, tile=128):
                                     seq_lengths=(L, L), compute_q_blocks=False)
 
 
-def flex_target_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
-    """The target's attention under a document BlockMask (registered with transformers as
-    "dflash_flex" and used by TargetReplica only)."""
-    from torch.nn.attention.flex_attention import flex_attention
-    if kwargs.get("softcap") is not None:
-        raise ValueError("the flex target path does not apply attention logit soft-capping; use --target-attention dense")
-    attn = flex_attention if torch.compiler.is_compiling() else dm.compiled(flex_attention)
-    out = attn(query, key, value, block_mask=attention_mask, scale=scaling, enable_gqa=query.shape[1] != key.shape[1])
-    return out.transpose(1, 2).contiguous(), None
-
-
-@functools.cache
-def _register_flex_target_attention():
-    from transformers import AttentionInterface
-    AttentionInterface.register("dflash_flex", flex_target_attention)
-    return "dflash_flex"
-
-
 TARGET_INPUTS = ("input_ids", "position_ids", "doc_ids")  # what the target stage reads of a batch
 
 
@@ -895,7 +879,7 @@ class TargetReplica:
         without a mask). A captured forward keeps the attention it was captured with."""
         self.attention = attention
         self.use_attention = dm.attention_implementation(
-            self.model, _register_flex_target_attention() if attention == "flex" else self.own_attention)
+            self.model, dm.register_flex_attention() if attention == "flex" else self.own_attention)
 
     def set_compiled_layers(self, on):
         """Each decoder layer compiled by inductor (its elementwise work fused; one graph serves
@@ -2130,7 +2114,8 @@ class EmbeddedBackend:
         def run(replica, share, seed):
             try:
                 out = dm.generate(replica, [ids[i] for i in share], a.max_new_tokens, self.stop, a.batch_size,
-                                  a.temperature, a.top_p, seed, progress=self.progress)
+                                  a.temperature, a.top_p, seed, progress=self.progress,
+                                  attention=a.attention)
                 for i, r in zip(share, out):
                     results[i] = r
             except BaseException:
@@ -2692,7 +2677,7 @@ def regenerated_builtin_data(args, log):
     log(f"demo: regenerating the built-in conversations with the target (once; cached at {out})")
     regen_args = argparse.Namespace(chat_template_kwargs=args.chat_template_kwargs, max_new_tokens=args.regen_max_new_tokens,
                                     batch_size=args.regen_batch_size, temperature=0.0, top_p=1.0, seed=args.seed,
-                                    max_context_tokens=args.max_length)
+                                    max_context_tokens=args.max_length, attention=args.regen_attention)
     tokenizer = load_tokenizer(args.target_model)
     gpus = [torch.device("cuda", i) for i in range(torch.cuda.device_count())]  # one replica each
     summary = regenerate(builtin_prompts_file(), out, lambda progress: EmbeddedBackend(

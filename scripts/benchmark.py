@@ -453,11 +453,13 @@ def generation_throughput(a, report):
     for batch in [int(b) for b in a.gen_batches.split(",")]:
         g = torch.Generator().manual_seed(batch)
         prompts = [torch.randint(0, vocab, (a.gen_prompt_tokens,), generator=g).tolist() for _ in range(2 * batch)]
-        # the model's own attention (transformers' SDPA: KV heads repeated under a mask) vs grouped
-        for mode, graph, grouped in (("eager", False, True), ("graph, model attention", True, False),
-                                     ("graph", True, True)):
-            dm.generate(model, prompts[:batch], 8, (), batch, graph=graph, grouped=grouped)  # warm-up (and capture)
-            res, dt = timed(lambda: dm.generate(model, prompts, a.gen_new_tokens, (), batch, graph=graph, grouped=grouped))
+        # the model's own attention (transformers' SDPA: KV heads repeated under a mask), grouped
+        # (the KV cache read once per KV head), flex (only the slots each live row uses)
+        for mode, graph, attention in (("eager", False, "grouped"), ("graph, model attention", True, "model"),
+                                       ("graph", True, "grouped"), ("graph, flex", True, "flex")):
+            dm.generate(model, prompts[:batch], 8, (), batch, graph=graph, attention=attention)  # warm-up (and capture)
+            res, dt = timed(lambda: dm.generate(model, prompts, a.gen_new_tokens, (), batch, graph=graph,
+                                                attention=attention))
             n = sum(len(t) for t, _ in res)
             out[f"{batch}_{mode}"] = n / dt
             report(f"  batch {batch:4d} {mode:22s}: {n / dt:9,.0f} generated tokens/s ({n} tokens in {dt:.1f}s, "

@@ -45,6 +45,9 @@ def main(argv=None):
     g = p.add_argument_group("embedded engine (default)")
     g.add_argument("--gpus", default=None, help="e.g. 0,1,2,3 (one replica each); default: all visible, or cpu")
     g.add_argument("--batch-size", type=int, default=128, help="rows decoded together per replica")
+    g.add_argument("--attention", choices=["grouped", "flex"], default="grouped",
+                   help="the decode steps' attention: grouped SDPA over every cache slot, or flex_attention reading "
+                   "only the slots each row uses, rows of any length sharing one decoder (not yet measured on a GPU)")
     g.add_argument("--max-context-tokens", type=int, default=0,
                    help="a conversation ends before a turn whose prompt has this many tokens (pass training's "
                    "--max-length: later turns are cut off there anyway); 0: the target's window less --max-new-tokens")

@@ -330,6 +330,24 @@ def test_batched_decoding_graphed_equals_eager_and_is_lossless():
                 assert tp.near_tie(target, p, t, s, first)[0], (first, s, t)
 
 
+def test_flex_decoding_graphed_equals_eager_and_grouped_up_to_ties():
+    """The decoder's flex steps on CUDA (one decoder for every prompt, refilled across lengths,
+    finished rows reading nothing), replayed as a CUDA graph, give the eager flex steps' tokens;
+    against the grouped SDPA path (bf16) outputs part only at near ties of the target."""
+    from conftest import tiny_target
+    target = tiny_target(vocab=128, dtype=torch.bfloat16, init_std=0.15).to("cuda")
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, 128, (n,), generator=g).tolist() for n in (5, 300, 9, 70, 2, 33, 17, 700, 140)]
+    eager = dm.generate(target, prompts, 40, [1], batch_size=4, graph=False, attention="flex")
+    graphed = dm.generate(target, prompts, 40, [1], batch_size=4, graph=True, attention="flex")
+    assert graphed == eager
+    grouped = dm.generate(target, prompts, 40, [1], batch_size=4, graph=True)
+    for p, (f, _), (t, _) in zip(prompts, graphed, grouped):
+        if f != t:
+            first = next(n for n, (a, b) in enumerate(zip(f, t)) if a != b)
+            assert tp.near_tie(target, p, t, f, first)[0], (first, f, t)
+
+
 def test_flex_target_stage_equals_dense_graphed_and_eager():
     """The target stage's flex path (document BlockMask) on CUDA, eager and replayed as a CUDA
     graph with new documents in the static buffers, gives the dense path's features (bf16)."""

@@ -378,10 +378,12 @@ def test_batched_decoding_equals_transformers_generate_and_per_row_speculation()
             assert alone == spec and alone_gains == gains
 
 
-def test_finished_rows_are_refilled_and_decode_as_transformers_does(monkeypatch):
+@pytest.mark.parametrize("attention", ["grouped", "flex"])
+def test_finished_rows_are_refilled_and_decode_as_transformers_does(monkeypatch, attention):
     """Rows that stop early take the next prompts of their group while the others keep decoding
     (some rows refilled, all rows at once at the end): every output still equals transformers'
-    greedy generate of that prompt alone."""
+    greedy generate of that prompt alone. With flex attention every prompt shares one decoder,
+    whatever its length."""
     target = tiny_target(arch="llama", dtype=torch.float32, init_std=0.15, vocab=128)
     g = torch.Generator().manual_seed(5)
     prompts = [torch.randint(3, 128, (int(n),), generator=g).tolist() for n in torch.randint(2, 40, (11,), generator=g)]
@@ -392,11 +394,43 @@ def test_finished_rows_are_refilled_and_decode_as_transformers_does(monkeypatch)
     real = dm.BatchDecoder.prefill
     monkeypatch.setattr(dm.BatchDecoder, "prefill",
                         lambda self, ps, rows=None: refills.append(rows) or real(self, ps, rows))
-    out = dm.generate(target, prompts, 40, [stop], batch_size=4, graph=False)
+    decoders = []
+    real_init = dm.BatchDecoder.__init__
+    monkeypatch.setattr(dm.BatchDecoder, "__init__", lambda self, *a, **k: decoders.append(1) or real_init(self, *a, **k))
+    out = dm.generate(target, prompts, 40, [stop], batch_size=4, graph=False, attention=attention)
     assert [t for t, _ in out] == [hf_greedy(target, torch.tensor([p]), 40, stop) for p in prompts]
     assert any(r is not None and len(r) < 4 for r in refills), refills  # a partial refill happened
     ends = {len(t) for t, _ in out}
     assert len(ends) > 2, ends
+    assert attention != "flex" or len(decoders) == 1, decoders
+
+
+def test_decode_block_mask_is_the_rule_tile_by_tile():
+    """decode_block_mask against the dense rule (row b's query i sees slots pad..pad + verified + i,
+    none of a finished row): skipped tiles hold no visible slot, full tiles only visible ones, and
+    the rule inside partial tiles gives the rest; rows spanning several tiles, the last one cut."""
+    from torch.nn.attention.flex_attention import BlockMask
+    g = torch.Generator().manual_seed(0)
+    B, q, S, tile = 12, 3, 45, 4
+    pad = torch.randint(0, 10, (B,), generator=g)
+    verified = torch.randint(0, S - q - 10, (B,), generator=g)
+    live = torch.rand(B, generator=g) > 0.25
+    live[0] = False
+    mask = dm.decode_block_mask(pad, verified, live, q, S, tile=tile)
+    slot, i = torch.arange(S), torch.arange(q)
+    rule = (slot[None, None] >= pad[:, None, None]) & (slot[None, None] <= (pad + verified)[:, None, None] + i[None, :, None])
+    rule &= live[:, None, None]
+    seen = torch.zeros(B, q, S, dtype=torch.bool)
+    for b in range(B):
+        for t in mask.full_kv_indices[b, 0, 0, :mask.full_kv_num_blocks[b, 0, 0]].tolist():
+            seen[b, :, t * tile:(t + 1) * tile] = True
+        for t in mask.kv_indices[b, 0, 0, :mask.kv_num_blocks[b, 0, 0]].tolist():
+            kv = torch.arange(t * tile, min((t + 1) * tile, S))
+            seen[b, :, kv] = mask.mask_mod(torch.tensor(b), 0, i[:, None], kv[None, :])
+    assert torch.equal(seen, rule)
+    assert mask.kv_num_blocks[0].sum() + mask.full_kv_num_blocks[0].sum() == 0  # a finished row reads nothing
+    assert (mask.full_kv_num_blocks > 0).any() and (mask.kv_num_blocks > 1).any()
+    assert isinstance(mask, BlockMask)
 
 
 def test_grouped_decoding_attention_equals_the_models_own(monkeypatch):
@@ -409,8 +443,8 @@ def test_grouped_decoding_attention_equals_the_models_own(monkeypatch):
     dm._register_grouped_attention.cache_clear()
     prompts = [[5, 6, 7, 8, 9], [10, 11], [12, 13, 14]]
     outs = []
-    for grouped in (True, False):
-        d = dm.BatchDecoder(target, 3, 32, grouped=grouped)
+    for attention in ("grouped", "model"):
+        d = dm.BatchDecoder(target, 3, 32, attention=attention)
         first, _ = d.prefill(prompts)
         one, _ = d.step(first.argmax(-1)[:, None])
         d.advance(torch.ones(3, dtype=torch.long))
@@ -420,6 +454,32 @@ def test_grouped_decoding_attention_equals_the_models_own(monkeypatch):
     for a, b in zip(*outs):
         torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-9)
     dm._register_grouped_attention.cache_clear()
+
+
+def test_flex_decoding_attention_equals_grouped():
+    """The decoder's flex steps (only the slots each row uses, tile by tile) give the grouped
+    attention's logits, at one token and at a block, for rows of mixed lengths spanning several
+    128-slot tiles; a row that is not live reads nothing and leaves the others' logits as they were."""
+    target = tiny_target(dtype=torch.float32, init_std=0.15, vocab=128)  # 4 query heads share 2 KV heads
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(3, 128, (n,), generator=g).tolist() for n in (300, 20, 140, 129)]
+    block = torch.randint(3, 128, (4, 5), generator=g)
+    outs = []
+    for attention in ("grouped", "flex"):
+        d = dm.BatchDecoder(target, 4, 512, attention=attention)
+        with torch.no_grad():  # as generate runs it (flex_attention has no backward on the CPU)
+            first, _ = d.prefill(prompts)
+            one, _ = d.step(first.argmax(-1)[:, None])
+            d.advance(torch.ones(4, dtype=torch.long))
+            blk, _ = d.step(block)
+            d.live[2] = False
+            without, _ = d.step(block)
+        outs.append((first, one, blk, without))
+    for a, b in zip(outs[0][:3], outs[1][:3]):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+    keep = torch.tensor([0, 1, 3])
+    torch.testing.assert_close(outs[1][3][keep], outs[0][3][keep], rtol=1e-4, atol=1e-4)
+    assert torch.isfinite(outs[1][3]).all()
 
 
 def test_sampling_is_seeded_and_respects_top_p():

@@ -325,8 +325,10 @@ def test_regeneration_rounds_stay_full_and_write_each_conversation_when_done():
         assert done[i][0] == {"role": "system", "content": "s"}
 
 
-def test_regenerate_multi_turn_equals_transformers_generate(tmp_path, tiny_model_dir):
-    """Every regenerated turn is the target's greedy reply given the regenerated history."""
+@pytest.mark.parametrize("attention", ["grouped", "flex"])
+def test_regenerate_multi_turn_equals_transformers_generate(tmp_path, tiny_model_dir, attention):
+    """Every regenerated turn is the target's greedy reply given the regenerated history, with
+    either decode attention."""
     from transformers import AutoModelForCausalLM
     rows = [{"messages": [{"role": "user", "content": "the cat"}, {"role": "assistant", "content": "x"},
                           {"role": "user", "content": "and the dog"}, {"role": "assistant", "content": "y"}]},
@@ -334,7 +336,7 @@ def test_regenerate_multi_turn_equals_transformers_generate(tmp_path, tiny_model
     src = write_jsonl(tmp_path / "in.jsonl", rows)
     out = tmp_path / "out.jsonl"
     assert rg.main(["--target-model", tiny_model_dir, "--input", src, "--output", str(out), "--gpus", "cpu",
-                    "--max-new-tokens", "9", "--batch-size", "2"]) == 0
+                    "--max-new-tokens", "9", "--batch-size", "2", "--attention", attention]) == 0
     target = AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()
     tok = tiny_tokenizer()
     for row in map(json.loads, out.read_text().splitlines()):

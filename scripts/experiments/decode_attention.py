@@ -6,8 +6,8 @@ session), reading every slot of every row at about half the H200's bandwidth. Ca
 
 - sdpa, efficient: the same call with SDPA's memory-efficient kernel forced;
 - bmm: two batched matmuls (scores in fp32 from bf16 operands) and a softmax between them;
-- flex: flex_attention (compiled) under a BlockMask built from each row's first slot and
-  verified length, so 128-slot tiles a row does not use yet are skipped;
+- flex: the decoder's flex attention (dm.decode_block_mask: 128-slot tiles a row does not use
+  yet are skipped; here every row is live);
 - compiled layers: today's attention with each decoder layer compiled by inductor (the
   elementwise work around it fused: the step's fixed cost, about 4 ms at 8 rows).
 
@@ -20,7 +20,6 @@ two-layer model at one small shape (a check that every path runs, not a measurem
     python scripts/experiments/decode_attention.py"""
 import os, sys, time, traceback
 import torch
-import torch.nn.functional as F
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path[:0] = [ROOT, os.path.join(ROOT, "scripts")]
 import dflash_model as dm
@@ -54,46 +53,7 @@ def bmm_attention(module, query, key, value, attention_mask, dropout=0.0, scalin
     return out.transpose(1, 2).contiguous(), None
 
 
-def flex_attention_fn(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
-    from torch.nn.attention.flex_attention import flex_attention
-    out = dm.compiled(flex_attention)(query, key, value, block_mask=attention_mask, scale=scaling,
-                                      enable_gqa=query.shape[1] != key.shape[1])
-    return out.transpose(1, 2).contiguous(), None
-
-
 AttentionInterface.register("decode_bmm", bmm_attention)
-AttentionInterface.register("decode_flex", flex_attention_fn)
-
-
-class FlexDecoder(dm.BatchDecoder):
-    """Decode steps under a BlockMask: row b's query i sees slots [pad[b], pad[b] + next_pos[b] + i];
-    a 128-slot tile outside that is skipped, one wholly inside the verified part needs no mask."""
-    tile = 128
-
-    def _step_eager(self, ids):
-        from torch.nn.attention.flex_attention import BlockMask
-        q, S, t = ids.shape[1], self.S, self.tile
-        positions = self.next_pos[:, None] + torch.arange(q, device=self.device)
-        slots = self.pad[:, None] + positions
-        first, last = self.pad, self.pad + self.next_pos + q - 1  # [B]: the slots any query may see
-        start = torch.arange(-(-S // t), device=self.device) * t
-        end = (start + t - 1).clamp(max=S - 1)
-        some = (start[None] <= last[:, None]) & (end[None] >= first[:, None])
-        full = (start[None] >= first[:, None]) & (end[None] <= (self.pad + self.next_pos)[:, None]) & \
-            (start + t <= S)[None]
-        kv_num, kv_idx = dm.ordered_blocks((some & ~full)[:, None, None])
-        full_num, full_idx = dm.ordered_blocks(full[:, None, None])
-        pad, verified = self.pad, self.next_pos
-
-        def mask_mod(b, h, q_idx, kv_idx):
-            return (kv_idx >= pad[b]) & (kv_idx <= pad[b] + verified[b] + q_idx)
-
-        mask = BlockMask.from_kv_blocks(kv_num, kv_idx, full_num, full_idx, BLOCK_SIZE=(t, t), mask_mod=mask_mod,
-                                        seq_lengths=(q, S), compute_q_blocks=False)
-        self.cache.write_slots = slots
-        with self.attention:
-            return self.model(input_ids=ids, position_ids=positions, attention_mask=mask, use_cache=True,
-                              **{self.kw: self.cache}).logits, None
 
 
 def build_model():
@@ -111,30 +71,30 @@ def sync():
 
 
 @torch.no_grad()
-def prepared(cls, model, rows, slots, seed):
+def prepared(attention, model, rows, slots, seed):
     """A decoder part-way through a chunk: prompt lengths spread over the chunk's last 256 slots
     of prompt, each row 0-255 tokens into its answer (the cache holds the prompts)."""
     g = torch.Generator().manual_seed(seed)
     P = slots - NEW
     lengths = torch.randint(max(1, P - 255), P + 1, (rows,), generator=g)
     vocab = model.config.vocab_size
-    d = cls(model, rows, slots, graph=CUDA)
+    d = dm.BatchDecoder(model, rows, slots, graph=CUDA, attention=attention)
     d.prefill([torch.randint(0, vocab, (int(n),), generator=g).tolist() for n in lengths])
     d.next_pos += torch.randint(0, NEW - 1, (rows,), generator=g).to(DEV)
     return d
 
 
-CANDIDATES = {  # name: (decoder class, attention implementation, SDPA backends or None, compiled layers)
-    "sdpa (today)": (dm.BatchDecoder, None, None, False),
-    "sdpa, efficient": (dm.BatchDecoder, None, "EFFICIENT_ATTENTION", False),
-    "bmm": (dm.BatchDecoder, "decode_bmm", None, False),
-    "flex": (FlexDecoder, "decode_flex", None, False),
-    "sdpa, compiled layers": (dm.BatchDecoder, None, None, True),
+CANDIDATES = {  # name: (BatchDecoder's attention, another attention for its steps, SDPA backend, compiled layers)
+    "sdpa (today)": ("grouped", None, None, False),
+    "sdpa, efficient": ("grouped", None, "EFFICIENT_ATTENTION", False),
+    "bmm": ("grouped", "decode_bmm", None, False),
+    "flex": ("flex", None, None, False),
+    "sdpa, compiled layers": ("grouped", None, None, True),
 }
 
 
 def run(model, name, rows, slots, ids, reference):
-    cls, attention, backend, compile_layers = CANDIDATES[name]
+    attention, step_attention, backend, compile_layers = CANDIDATES[name]
     from torch.nn.attention import SDPBackend, sdpa_kernel
     import contextlib
     chosen = sdpa_kernel([getattr(SDPBackend, backend)]) if backend else contextlib.nullcontext()
@@ -142,9 +102,9 @@ def run(model, name, rows, slots, ids, reference):
         layer._compiled_call_impl = None
         if compile_layers:
             layer.compile(dynamic=False)
-    d = prepared(cls, model, rows, slots, seed=rows + slots)
-    if attention:
-        d.attention = dm.attention_implementation(model, attention)
+    d = prepared(attention, model, rows, slots, seed=rows + slots)
+    if step_attention:
+        d.step_attention = dm.attention_implementation(model, step_attention)
     with chosen, torch.no_grad():
         t0 = time.perf_counter()
         logits = d.step(ids)[0][:, -1].float().clone()  # the first call compiles and captures
