@@ -248,12 +248,21 @@ def ordered_blocks(blocks):
     return num, torch.empty_like(pos, dtype=torch.int32).scatter_(-1, pos, cols)  # pos: a permutation per row
 
 
+def block_mask_of_tiles(partial, full, mask_mod, seq_lengths, tile=128):
+    """flex_attention's BlockMask from [B, H, query tiles, key tiles] maps of the tiles where
+    mask_mod decides (partial) and those wholly visible (full); other tiles are skipped."""
+    from torch.nn.attention.flex_attention import BlockMask
+    kv_num, kv_idx = ordered_blocks(partial)
+    full_num, full_idx = ordered_blocks(full)
+    return BlockMask.from_kv_blocks(kv_num, kv_idx, full_num, full_idx, BLOCK_SIZE=(tile, tile), mask_mod=mask_mod,
+                                    seq_lengths=seq_lengths, compute_q_blocks=False)
+
+
 def flex_block_mask(anchors, doc_ids, block_size, mask_mod, tile=128):
     """The BlockMask create_block_mask(mask_mod) would give, without evaluating the rule at every
     (query, key) pair: all slots of a block see the same keys, so the rule is evaluated once per
     block (first slot) and per-tile counts follow from how blocks overlap query tiles. At the
     benchmark's shapes: [4, 512, 11264] evaluations instead of [4, 8192, 11264], and no argsort."""
-    from torch.nn.attention.flex_attention import BlockMask
     B, A = anchors.shape
     L = doc_ids.shape[1]
     Q, KV = A * block_size, L + A * block_size
@@ -268,13 +277,10 @@ def flex_block_mask(anchors, doc_ids, block_size, mask_mod, tile=128):
     pairs = (queries.int()[None, :, :, None] * keys_per_tile[:, None]).sum(2)[:, None]  # [B, 1, n_q, n_kv]
     full = pairs == tile * tile
     partial = (pairs > 0) & ~full
-    kv_num, kv_idx = ordered_blocks(partial)
-    full_num, full_idx = ordered_blocks(full)
+    mask = block_mask_of_tiles(partial, full, mask_mod, (Q, KV), tile)
     # flex's backward kernel reads q indices with unit stride along the last dim: contiguous
     q_num, q_idx = ordered_blocks(partial.transpose(-2, -1).contiguous())
     full_q_num, full_q_idx = ordered_blocks(full.transpose(-2, -1).contiguous())
-    mask = BlockMask.from_kv_blocks(kv_num, kv_idx, full_num, full_idx, BLOCK_SIZE=(tile, tile), mask_mod=mask_mod,
-                                    seq_lengths=(Q, KV), compute_q_blocks=False)
     mask.q_num_blocks, mask.q_indices = q_num, q_idx
     mask.full_q_num_blocks, mask.full_q_indices = full_q_num, full_q_idx
     return mask
@@ -755,6 +761,13 @@ def _slot_cache_class():
     return SlotCache
 
 
+def grouped_mask(mask, G):
+    """[B, 1, q, S] -> [B, 1, G * q, S]: each query's mask repeated for the G query heads of a
+    group, in grouped_attention's order (a group's heads, each with its q queries)."""
+    B, _, q, S = mask.shape
+    return mask[:, :, None].expand(B, 1, G, q, S).reshape(B, 1, G * q, S)
+
+
 def grouped_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
     """The target's attention while decoding: each group of query heads that shares a KV head
     runs as one head with group x q queries, so SDPA reads the cache as it is instead of copies
@@ -765,8 +778,7 @@ def grouped_attention(module, query, key, value, attention_mask, dropout=0.0, sc
     if G > 1:
         query = query.reshape(B, H // G, G * q, D)
         if attention_mask is not None and attention_mask.shape[1] == 1:
-            attention_mask = attention_mask[:, :, None].expand(-1, -1, G, -1, -1).reshape(
-                attention_mask.shape[0], 1, G * q, attention_mask.shape[-1])
+            attention_mask = grouped_mask(attention_mask, G)
     out = F.scaled_dot_product_attention(query, key, value, attn_mask=attention_mask, scale=scaling)
     return out.reshape(B, H, q, D).transpose(1, 2).contiguous(), None
 
@@ -827,20 +839,16 @@ def decode_block_mask(pad, verified, live, q, slots, tile=128):
     [pad[b], pad[b] + verified[b] + i], none if not live[b] (a finished row reads nothing). Of
     the slots' tiles, those outside a row's span are skipped and those inside its verified part
     need no mask, so a step reads what each row uses, not every slot of every row."""
-    from torch.nn.attention.flex_attention import BlockMask
     start = torch.arange(-(-slots // tile), device=pad.device) * tile
     end = (start + tile - 1).clamp(max=slots - 1)
     first, last = pad[:, None], (pad + verified + q - 1)[:, None]
     some = (start[None] <= last) & (end[None] >= first) & live[:, None]
     full = some & (start[None] >= first) & (end[None] <= (pad + verified)[:, None]) & (start + tile <= slots)[None]
-    kv_num, kv_idx = ordered_blocks((some & ~full)[:, None, None])
-    full_num, full_idx = ordered_blocks(full[:, None, None])
 
     def mask_mod(b, h, q_idx, kv_idx):
         return (kv_idx >= pad[b]) & (kv_idx <= pad[b] + verified[b] + q_idx)
 
-    return BlockMask.from_kv_blocks(kv_num, kv_idx, full_num, full_idx, BLOCK_SIZE=(tile, tile), mask_mod=mask_mod,
-                                    seq_lengths=(q, slots), compute_q_blocks=False)
+    return block_mask_of_tiles((some & ~full)[:, None, None], full[:, None, None], mask_mod, (q, slots), tile)
 
 
 DECODE_ATTENTION = ("grouped", "model", "flex")

@@ -14,7 +14,6 @@ drafter step can be compiled and captured as one CUDA graph (--compile).
 import argparse
 import copy
 import dataclasses
-import functools
 import glob
 import hashlib
 import json
@@ -36,7 +35,6 @@ from contextlib import nullcontext
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
 import dflash_model as dm
 # -----------------------------------------------------------------------------
@@ -826,7 +824,6 @@ def document_block_mask(doc_ids, sliding_window=None, tile=128):
     evaluated inside the kernel) or not at all (skipped), from each tile's first and last
     document and position, so neither the classification nor any layer touches an [L, L] mask.
     A row's documents are contiguous with ascending ids (padding, -1, after them all)."""
-    from torch.nn.attention.flex_attention import BlockMask
     R, L = doc_ids.shape
     n = -(-L // tile)
     docs = torch.where(doc_ids < 0, torch.iinfo(doc_ids.dtype).max, doc_ids)  # padding last: ascending rows
@@ -842,15 +839,12 @@ def document_block_mask(doc_ids, sliding_window=None, tile=128):
     if sliding_window is not None:
         some = some & (start[None, :, None] - end[None, None, :] < sliding_window)
         full = full & (end[None, :, None] - start[None, None, :] < sliding_window)
-    kv_num, kv_idx = dm.ordered_blocks((some & ~full)[:, None])
-    full_num, full_idx = dm.ordered_blocks(full[:, None])
 
     def mask_mod(b, h, q_idx, kv_idx):
         return document_visible(q_idx, kv_idx, doc_ids[b, q_idx.clamp(max=L - 1)],
                                 doc_ids[b, kv_idx.clamp(max=L - 1)], sliding_window)
 
-    return BlockMask.from_kv_blocks(kv_num, kv_idx, full_num, full_idx, BLOCK_SIZE=(tile, tile), mask_mod=mask_mod,
-                                    seq_lengths=(L, L), compute_q_blocks=False)
+    return dm.block_mask_of_tiles((some & ~full)[:, None], full[:, None], mask_mod, (L, L), tile)
 
 
 TARGET_INPUTS = ("input_ids", "position_ids", "doc_ids")  # what the target stage reads of a batch

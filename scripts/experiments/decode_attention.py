@@ -18,7 +18,7 @@ SmolLM2-135M-Instruct's shapes with random bf16 weights; nothing downloaded. On 
 two-layer model at one small shape (a check that every path runs, not a measurement).
 
     python scripts/experiments/decode_attention.py"""
-import os, sys, time, traceback
+import contextlib, os, sys, time, traceback
 import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path[:0] = [ROOT, os.path.join(ROOT, "scripts")]
@@ -28,12 +28,6 @@ from transformers import AttentionInterface, LlamaConfig, LlamaForCausalLM
 CUDA = torch.cuda.is_available()
 DEV = torch.device("cuda:0" if CUDA else "cpu")
 NEW = 256  # new tokens a row decodes (the demo's --regen-max-new-tokens)
-
-
-def expand_mask(mask, G, q):
-    """[B, 1, q, S] -> [B, 1, G * q, S]: the mask of each query repeated for a group's heads."""
-    B, _, _, S = mask.shape
-    return mask[:, :, None].expand(B, 1, G, q, S).reshape(B, 1, G * q, S)
 
 
 def bmm_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
@@ -47,7 +41,7 @@ def bmm_attention(module, query, key, value, attention_mask, dropout=0.0, scalin
     else:
         scores = torch.bmm(qg.float(), kt.float())
     scores = scores.view(B, Hk, G * q, S) * (scaling if scaling is not None else D ** -0.5)
-    scores = scores + expand_mask(attention_mask, G, q).float()
+    scores = scores + dm.grouped_mask(attention_mask, G).float()
     probs = torch.softmax(scores, -1).to(value.dtype).view(B * Hk, G * q, S)
     out = torch.bmm(probs, value.reshape(B * Hk, S, D)).view(B, H, q, D)
     return out.transpose(1, 2).contiguous(), None
@@ -96,7 +90,6 @@ CANDIDATES = {  # name: (BatchDecoder's attention, another attention for its ste
 def run(model, name, rows, slots, ids, reference):
     attention, step_attention, backend, compile_layers = CANDIDATES[name]
     from torch.nn.attention import SDPBackend, sdpa_kernel
-    import contextlib
     chosen = sdpa_kernel([getattr(SDPBackend, backend)]) if backend else contextlib.nullcontext()
     for layer in dm.decoder_layers(model):
         layer._compiled_call_impl = None
