@@ -37,7 +37,8 @@ def plot(runs, out, x="step"):
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    fig, ax = plt.subplots(1, 3, figsize=(16, 4.5))
+    measured_any = any(final is not None or any("eval_acceptance_length" in r for r in recs) for _, recs, final in runs)
+    fig, ax = plt.subplots(1, 3 if measured_any else 2, figsize=(16 if measured_any else 11, 4.5))  # no empty panel
     at = (lambda r: r["step"]) if x == "step" else (lambda r: r["elapsed_s"] / 60)  # noqa: E731
     for n, (name, recs, final) in enumerate(runs):
         colour = f"C{n}"
@@ -59,7 +60,8 @@ def plot(runs, out, x="step"):
     xlabel = "step" if x == "step" else "minutes of training"
     ax[0].set(title="held-out tau_hat (solid) and decoding replayed (dotted)", xlabel=xlabel)
     ax[1].set(title="learning rate", xlabel=xlabel)
-    ax[2].set(title="measured acceptance length (dashed: prompt lookup)", xlabel=xlabel)
+    if measured_any:
+        ax[2].set(title="measured acceptance length (dashed: prompt lookup)", xlabel=xlabel)
     for a in ax:
         if a.get_legend_handles_labels()[0]:
             a.legend(fontsize=8)

@@ -121,6 +121,9 @@ def run(model, name, rows, slots, ids, reference):
 
 
 def main():
+    # Each decoder layer is its own compiled frame (its layer index is a static int): 30 layers x 4
+    # shapes, against dynamo's default of 8 recompiles, past which it silently runs the layer eagerly.
+    torch._dynamo.config.recompile_limit = torch._dynamo.config.accumulated_recompile_limit = 1024
     model = build_model()
     shapes = [(1024, 512), (1024, 1280), (1024, 2304), (64, 2304)] if CUDA else [(4, 384)]
     print(f"decode step: {sum(p.numel() for p in model.parameters()) / 1e6:.0f}M-parameter SmolLM2-shaped model "
