@@ -790,16 +790,18 @@ def _register_grouped_attention():
     return "dflash_decode"
 
 
-def flex_attention_for_transformers(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
+def flex_attention_for_transformers(module, query, key, value, attention_mask, dropout=0.0, scaling=None,
+                                    kernel_options=None, **kwargs):
     """A transformers model's attention as flex_attention under the BlockMask given as its
     attention_mask (registered as "dflash_flex"): the target stage's document mask, the
-    decoder's per-row mask."""
+    decoder's per-row mask. kernel_options: flex_attention's (tile sizes, stages, warps)."""
     from torch.nn.attention.flex_attention import flex_attention
     if kwargs.get("softcap") is not None:
         raise ValueError("flex attention does not apply attention logit soft-capping: use the dense (target stage) "
                          "or grouped (decoder) attention for this model")
     attn = flex_attention if torch.compiler.is_compiling() else compiled(flex_attention)
-    out = attn(query, key, value, block_mask=attention_mask, scale=scaling, enable_gqa=query.shape[1] != key.shape[1])
+    out = attn(query, key, value, block_mask=attention_mask, scale=scaling, enable_gqa=query.shape[1] != key.shape[1],
+               kernel_options=kernel_options)
     return out.transpose(1, 2).contiguous(), None
 
 

@@ -7,7 +7,8 @@ session), reading every slot of every row at about half the H200's bandwidth. Ca
 - sdpa, efficient: the same call with SDPA's memory-efficient kernel forced;
 - bmm: two batched matmuls (scores in fp32 from bf16 operands) and a softmax between them;
 - flex: the decoder's flex attention (dm.decode_block_mask: 128-slot tiles a row does not use
-  yet are skipped; here every row is live);
+  yet are skipped; here every row is live): 2.3-2.4x today's step on one H200 (docs/benchmarks.md,
+  seventeenth session); on a GPU also with its decoding kernel's stages, warps and tile set;
 - compiled layers: today's attention with each decoder layer compiled by inductor (the
   elementwise work around it fused: the step's fixed cost, about 4 ms at 8 rows).
 
@@ -18,7 +19,7 @@ SmolLM2-135M-Instruct's shapes with random bf16 weights; nothing downloaded. On 
 two-layer model at one small shape (a check that every path runs, not a measurement).
 
     python scripts/experiments/decode_attention.py"""
-import contextlib, os, sys, time, traceback
+import contextlib, functools, os, sys, time, traceback
 import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path[:0] = [ROOT, os.path.join(ROOT, "scripts")]
@@ -85,6 +86,16 @@ CANDIDATES = {  # name: (BatchDecoder's attention, another attention for its ste
     "flex": ("flex", None, None, False),
     "sdpa, compiled layers": ("grouped", None, None, True),
 }
+# flex's decoding kernel on sm90 gets BLOCK_N 64, 1 stage, 2 warps from torch 2.11's heuristic (its
+# last branch overrides the sm90 choice of 3 stages): one stage leaves the loads unpipelined.
+FLEX_DECODE_OPTIONS = {"flex, 3 stages": {"num_stages": 3},
+                       "flex, 3 stages, 4 warps": {"num_stages": 3, "num_warps": 4},
+                       "flex, BLOCK_N 128, 3 stages, 4 warps": {"BLOCK_N": 128, "num_stages": 3, "num_warps": 4}}
+if CUDA:
+    for n, (name, options) in enumerate(FLEX_DECODE_OPTIONS.items()):
+        AttentionInterface.register(f"decode_flex_{n}", functools.partial(dm.flex_attention_for_transformers,
+                                                                          kernel_options=options))
+        CANDIDATES[name] = ("flex", f"decode_flex_{n}", None, False)
 
 
 def run(model, name, rows, slots, ids, reference):
