@@ -211,9 +211,9 @@ def test_loss_weights_and_normalisation_by_hand():
                 continue
             w = math.exp(-(k - 1) / gamma)
             ce = -torch.log_softmax(logits[i, k], -1)[ids[0, t]]
-            num += w * float(ce); den += w
+            num += w * ce.item(); den += w
     assert den > 0
-    assert abs(float(loss) - num / den) < 1e-9
+    assert abs(loss.item() - num / den) < 1e-9
     # anchor 10 (doc 1: 8..13) sees labels 11 (ok), 12 (masked), 13 (ok); anchor 5: 6, 7 then doc ends
     assert float(stats[2]) == 3  # three valid blocks
 
