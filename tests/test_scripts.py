@@ -443,3 +443,11 @@ def test_recipe_regenerate_train_evaluate_from_the_command_line(tmp_path, tiny_m
     r = run("scripts/compare_runs.py", str(out), "--x", "minutes", "--out", str(tmp_path / "minutes.png"))
     assert r.returncode == 0 and os.path.getsize(tmp_path / "minutes.png") > 10_000, r.stderr[-2000:]
     assert all(rec["elapsed_s"] > 0 for rec in tp.run_records(str(out))[0])  # every record has its training time
+    # runs that were never evaluated (a machine lost in the evaluation): their held-out curves alone
+    bare = tmp_path / "unevaluated"
+    bare.mkdir()
+    (bare / "metrics.jsonl").write_text("".join(l + "\n" for l in (out / "metrics.jsonl").read_text().splitlines()
+                                                if "eval_acceptance_length" not in l))
+    r = run("scripts/compare_runs.py", str(bare), "--out", str(tmp_path / "bare.png"))
+    assert r.returncode == 0 and os.path.getsize(tmp_path / "bare.png") > 10_000, r.stderr[-2000:]
+    assert r.stdout.splitlines()[1].split()[-3:] == ["-", "-", "-"]  # nothing measured, none invented
