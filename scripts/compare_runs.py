@@ -37,22 +37,25 @@ def plot(runs, out, x="step"):
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    measured_any = any(final is not None or any("eval_acceptance_length" in r for r in recs) for _, recs, final in runs)
-    fig, ax = plt.subplots(1, 3 if measured_any else 2, figsize=(16 if measured_any else 11, 4.5))  # no empty panel
     at = (lambda r: r["step"]) if x == "step" else (lambda r: r["elapsed_s"] / 60)  # noqa: E731
-    for n, (name, recs, final) in enumerate(runs):
-        colour = f"C{n}"
+    series = []  # per run: its records on this x axis, its training records, its measured acceptance points
+    for name, recs, final in runs:
         if x != "step":
             recs = [r for r in recs if "elapsed_s" in r]
         train = [r for r in recs if "loss" in r]
+        measured = [(at(r), r["eval_acceptance_length"]) for r in recs if "eval_acceptance_length" in r]
+        if final is not None and train:
+            measured.append((at(train[-1]), final["acceptance_length"]))
+        series.append((name, recs, train, measured, final))
+    measured_any = any(measured or final is not None for *_, measured, final in series)
+    fig, ax = plt.subplots(1, 3 if measured_any else 2, figsize=(16 if measured_any else 11, 4.5))  # no empty panel
+    for n, (name, recs, train, measured, final) in enumerate(series):
+        colour = f"C{n}"
         vals = [r for r in recs if "val_tau_hat" in r]
         ax[0].plot([at(r) for r in vals], [r["val_tau_hat"] for r in vals], "-", color=colour, label=name)
         replayed = [r for r in vals if "val_acceptance_length" in r]
         ax[0].plot([at(r) for r in replayed], [r["val_acceptance_length"] for r in replayed], ":", color=colour)
         ax[1].plot([at(r) for r in train], [r["lr"] for r in train], color=colour, label=name)
-        measured = [(at(r), r["eval_acceptance_length"]) for r in recs if "eval_acceptance_length" in r]
-        if final is not None and train:
-            measured.append((at(train[-1]), final["acceptance_length"]))
         if measured:
             ax[2].plot(*zip(*measured), "o-", color=colour, label=name)
         if final is not None:

@@ -100,6 +100,9 @@ if CUDA:
 
 def run(model, name, rows, slots, ids, reference):
     attention, step_attention, backend, compile_layers = CANDIDATES[name]
+    if backend and not CUDA:  # SDPA's fused kernels are CUDA's
+        print(f"  {name:24s} CUDA only", flush=True)
+        return None
     from torch.nn.attention import SDPBackend, sdpa_kernel
     chosen = sdpa_kernel([getattr(SDPBackend, backend)]) if backend else contextlib.nullcontext()
     for layer in dm.decoder_layers(model):
