@@ -8,7 +8,7 @@ session), reading every slot of every row at about half the H200's bandwidth. Ca
 - bmm: two batched matmuls (scores in fp32 from bf16 operands) and a softmax between them;
 - flex: the decoder's flex attention (dm.decode_block_mask: 128-slot tiles a row does not use
   yet are skipped; here every row is live): 2.3-2.4x today's step on one H200 (docs/benchmarks.md,
-  seventeenth session); on a GPU also with its decoding kernel's stages, warps and tile set;
+  seventeenth session); on a GPU also with its kernel's stages, warps and tile set;
 - compiled layers: today's attention with each decoder layer compiled by inductor (the
   elementwise work around it fused: the step's fixed cost, about 4 ms at 8 rows).
 
@@ -86,8 +86,10 @@ CANDIDATES = {  # name: (BatchDecoder's attention, another attention for its ste
     "flex": ("flex", None, None, False),
     "sdpa, compiled layers": ("grouped", None, None, True),
 }
-# flex's decoding kernel on sm90 gets BLOCK_N 64, 1 stage, 2 warps from torch 2.11's heuristic (its
-# last branch overrides the sm90 choice of 3 stages): one stage leaves the loads unpipelined.
+# flex's kernel with other stages, warps and tile. Inductor's decoding kernel needs a power-of-two
+# number of query heads per kv head (torch 2.11's _use_flex_decoding): SmolLM2's 9 over 3 runs
+# flex_attention's main kernel, one program per query head over a padded query tile, while
+# Qwen3's and Llama 3.1's 4 would get the decoding kernel.
 FLEX_DECODE_OPTIONS = {"flex, 3 stages": {"num_stages": 3},
                        "flex, 3 stages, 4 warps": {"num_stages": 3, "num_warps": 4},
                        "flex, BLOCK_N 128, 3 stages, 4 warps": {"BLOCK_N": 128, "num_stages": 3, "num_warps": 4}}
