@@ -359,8 +359,12 @@ def _head_ce_chunk(hidden, weight, labels, with_grad):
     correct = logits.argmax(-1) == labels
     if not with_grad:
         return ce, correct, None
-    dlogits = torch.exp(logits - lse)  # d ce / d logits = softmax - onehot(label)
-    dlogits.scatter_add_(1, labels[:, None], torch.full_like(dlogits[:, :1], -1.0))
+    probs = torch.exp(logits - lse)  # d ce / d logits = softmax - onehot(label)
+    if torch.compiler.is_compiling():  # fused into the reductions' pass, which then writes bf16
+        label_hit = torch.arange(probs.shape[1], device=probs.device) == labels[:, None]
+        dlogits = torch.where(label_hit, probs - 1.0, probs)
+    else:  # eager: in place, no second vocabulary-wide buffer
+        dlogits = probs.scatter_add_(1, labels[:, None], torch.full_like(probs[:, :1], -1.0))
     return ce, correct, (dlogits.to(weight.dtype) @ weight).to(hidden.dtype)
 
 

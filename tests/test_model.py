@@ -247,6 +247,26 @@ def test_chunked_head_matches_full_and_grads():
     assert torch.equal(correct_eval, correct)
 
 
+def test_compiled_head_chunk_matches_eager_and_writes_no_fp32_vocabulary_buffer():
+    # Compiled (--compile's LM-head chunk), the softmax gradient is fused into the reductions'
+    # kernel and written once in bf16; a scatter there made it an fp32 N x V buffer plus a cast.
+    import re
+    from torch._inductor.utils import run_and_get_code
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    N, D, V = 64, 32, 1000
+    h = torch.randn(N, D, dtype=torch.bfloat16)
+    w = (torch.randn(V, D) * 0.2).to(torch.bfloat16)
+    lab = torch.randint(0, V, (N,))
+    want = dm._head_ce_chunk(h, w, lab, True)
+    got, code = run_and_get_code(torch.compile(dm._head_ce_chunk, dynamic=False), h, w, lab, True)
+    torch.testing.assert_close(got[0], want[0])
+    assert torch.equal(got[1], want[1])
+    torch.testing.assert_close(got[2], want[2])
+    vocab_buffers = re.findall(rf"\(\({N}, {V}\), \({V}, 1\), torch\.(\w+)\)", "\n".join(code))
+    assert vocab_buffers and "float32" not in vocab_buffers, vocab_buffers
+
+
 def test_save_load_round_trip(tmp_path):
     target = tiny_target()
     drafter = make_drafter(target)
