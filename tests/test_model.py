@@ -1,6 +1,7 @@
 import json
 import math
 import os
+import re
 
 import pytest
 import torch
@@ -250,7 +251,6 @@ def test_chunked_head_matches_full_and_grads():
 def test_compiled_head_chunk_matches_eager_and_writes_no_fp32_vocabulary_buffer():
     # Compiled (--compile's LM-head chunk), the softmax gradient is fused into the reductions'
     # kernel and written once in bf16; a scatter there made it an fp32 N x V buffer plus a cast.
-    import re
     from torch._inductor.utils import run_and_get_code
     torch._dynamo.reset()
     torch.manual_seed(0)

