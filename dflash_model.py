@@ -201,20 +201,32 @@ class DraftLayer(nn.Module):
 
 # -----------------------------------------------------------------------------
 # Attention rule: block at anchor a sees context positions kv < a of its own document, and
-# every slot of its own block. One predicate; a dense form (CPU, tests) and a flex_attention
-# block mask (GPU) are both built from it.
+# every slot of its own block. A document is a run of equal doc_ids (the packer lays a row's
+# documents, then its padding, as runs), so the context a block sees is one range of keys,
+# [start of the anchor's document, a): two numbers per block, read per query, none per key.
+# One predicate; a dense form (CPU, tests) and a flex_attention block mask (GPU) are both built
+# from it.
 
-def block_visible(q_idx, kv_idx, anchors, doc_ids, seq_len, block_size):
+def context_starts(anchors, doc_ids):
+    """[B, A]: the first position of each anchor's document: the last run start at or before it.
+    A [B, A, L] reduction, not a cumulative max over the row: inductor's CPU flex_attention found
+    no kernel for a mask reading a cummax's output."""
+    pos = torch.arange(doc_ids.shape[1], device=doc_ids.device)
+    run_start = torch.ones_like(doc_ids, dtype=torch.bool)
+    run_start[:, 1:] = doc_ids[:, 1:] != doc_ids[:, :-1]
+    return torch.where(run_start[:, None, :] & (pos <= anchors[:, :, None]), pos, 0).amax(-1)
+
+
+def block_visible(q_idx, kv_idx, starts, anchors, seq_len, block_size):
     """Whether block query q_idx may attend to key kv_idx (keys: seq_len context, then blocks).
 
-    anchors [A] and doc_ids [seq_len] are one row's; q_idx/kv_idx are broadcastable index tensors.
+    starts and anchors [A] are one row's (context_starts, anchors); q_idx/kv_idx are
+    broadcastable index tensors.
     """
     blk = q_idx // block_size
-    anchor = anchors[blk.clamp(max=anchors.shape[-1] - 1)]  # a padded q_idx past the last block stays in range
-    in_ctx = kv_idx < seq_len
-    ctx_ok = (kv_idx < anchor) & (doc_ids[kv_idx.clamp(max=seq_len - 1)] == doc_ids[anchor])
-    blk_ok = (kv_idx - seq_len) // block_size == blk
-    return torch.where(in_ctx, ctx_ok, blk_ok)
+    at = blk.clamp(max=anchors.shape[-1] - 1)  # a padded q_idx past the last block stays in range
+    in_context = (kv_idx >= starts[at]) & (kv_idx < anchors[at])  # anchors < seq_len: context keys only
+    return in_context | ((kv_idx - seq_len) // block_size == blk)
 
 
 def visible_keys(anchors, doc_ids, block_size, num_keys):
@@ -226,8 +238,8 @@ def visible_keys(anchors, doc_ids, block_size, num_keys):
     kv = torch.arange(num_keys, device=anchors.device)[None, :]
     # vmap over rows, not a Python loop: a loop traced into the compiled step grows with the
     # rows (at 4096 rows tracing alone had not finished after 140 s on the H200 machine)
-    one_row = lambda row_anchors, row_docs: block_visible(first_slot, kv, row_anchors, row_docs, L, block_size)
-    return torch.vmap(one_row)(anchors, doc_ids)
+    one_row = lambda row_starts, row_anchors: block_visible(first_slot, kv, row_starts, row_anchors, L, block_size)
+    return torch.vmap(one_row)(context_starts(anchors, doc_ids), anchors)
 
 
 def dense_block_mask(anchors, doc_ids, block_size):
@@ -321,9 +333,10 @@ def flex_attend(anchors, doc_ids, block_size):
     torch.compile'd step both are traced into the step; eagerly, flex_attention runs compiled."""
     from torch.nn.attention.flex_attention import flex_attention
     L = doc_ids.shape[1]
+    starts = context_starts(anchors, doc_ids)
 
     def mask_mod(b, h, q_idx, kv_idx):
-        return block_visible(q_idx, kv_idx, anchors[b], doc_ids[b], L, block_size)
+        return block_visible(q_idx, kv_idx, starts[b], anchors[b], L, block_size)
 
     # Not create_block_mask: compiling it cost 153 s at start-up at the benchmark's shapes on an
     # H200 (docs/benchmarks.md), in eager mode (its _compile) and traced into the compiled step.

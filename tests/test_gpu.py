@@ -247,9 +247,10 @@ def drafter_mask_case(H, KV, D):
     doc[0, 600:], doc[1, 300:], doc[1, -5:] = 1, 1, -1
     anchors = torch.sort(torch.rand(B, L, generator=g).topk(A, dim=1).indices, dim=1).values.cuda()
     doc = doc.cuda()
+    starts = dm.context_starts(anchors, doc)
 
     def mask_mod(b, h, q, kv):
-        return dm.block_visible(q, kv, anchors[b], doc[b], L, bs)
+        return dm.block_visible(q, kv, starts[b], anchors[b], L, bs)
     q = torch.randn(B, H, A * bs, D, generator=g).cuda().bfloat16()
     k, v = torch.randn(2, B, KV, L + A * bs, D, generator=g).cuda().bfloat16()
     return types.SimpleNamespace(B=B, L=L, A=A, bs=bs, anchors=anchors, doc=doc, mask_mod=mask_mod, q=q, k=k, v=v)

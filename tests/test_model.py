@@ -93,9 +93,10 @@ def test_flex_block_mask_equals_create_block_mask(B, L, A, bs):
             doc[r, s:e] = i
         doc[r, -3:] = -1
     anchors = torch.sort(torch.rand(B, L, generator=g).topk(A, dim=1).indices, dim=1).values
+    starts = dm.context_starts(anchors, doc)
 
     def mask_mod(b, h, q, kv):
-        return dm.block_visible(q, kv, anchors[b], doc[b], L, bs)
+        return dm.block_visible(q, kv, starts[b], anchors[b], L, bs)
     want = create_block_mask(mask_mod, B, None, A * bs, L + A * bs, device="cpu")
     with torch.autocast("cpu", dtype=torch.bfloat16):  # as in the training step: counts must stay exact
         got = dm.flex_block_mask(anchors, doc, bs, mask_mod)

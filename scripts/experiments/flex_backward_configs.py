@@ -10,28 +10,18 @@ import fcntl, json, os, sys, time
 import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 import dflash_model as dm
+from scripts.experiments.drafter_attention_variants import B, L, bs, drafter_attention_case
 from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
 idx, opts, dev = int(sys.argv[1]), json.loads(sys.argv[2]), sys.argv[3]
 mask_bs = opts.pop("MASK_BLOCK", None)
 torch.cuda.set_device(dev)
-B, A, bs, L, H, KV, D = 4, 512, 16, 3072, 32, 8, 128
-g = torch.Generator().manual_seed(0)
-doc = torch.zeros(B, L, dtype=torch.long)
-for r in range(B):
-    cuts = sorted(torch.randint(1, L, (3,), generator=g).tolist())
-    for i, (s, e) in enumerate(zip([0] + cuts, cuts + [L])):
-        doc[r, s:e] = i
-anchors = torch.sort(torch.rand(B, L, generator=g).topk(A, dim=1).indices, dim=1).values
-doc, anchors = doc.to(dev), anchors.to(dev)
-Q, S = A * bs, L + A * bs
-q = torch.randn(B, Q, H, D, generator=g).to(dev, torch.bfloat16).transpose(1, 2).requires_grad_()
-k = torch.randn(B, KV, S, D, generator=g).to(dev, torch.bfloat16).requires_grad_()
-v = torch.randn(B, KV, S, D, generator=g).to(dev, torch.bfloat16).requires_grad_()
-gout = torch.randn(B, H, Q, D, generator=g).to(dev, torch.bfloat16)
+c = drafter_attention_case(dev)
+anchors, q, k, v, gout, Q, S = c.anchors, c.q, c.k, c.v, c.gout, c.Q, c.S
+starts = dm.context_starts(anchors, c.doc)
 
 def mask_mod(b, h, q_idx, kv_idx):
-    return dm.block_visible(q_idx, kv_idx, anchors[b], doc[b], L, bs)
+    return dm.block_visible(q_idx, kv_idx, starts[b], anchors[b], L, bs)
 
 kw = {} if mask_bs is None else {"BLOCK_SIZE": tuple(mask_bs)}
 t0 = time.perf_counter()

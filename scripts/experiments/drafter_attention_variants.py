@@ -1,0 +1,117 @@
+"""The drafter's training attention three ways, forward and forward+backward, at the benchmark's
+Qwen3-8B shapes (4 rows x 3072 tokens, 512 anchors x block 16, 32 heads / 8 KV heads, head_dim
+128), each compiled (masks built once, outside the timed calls):
+
+  doc_gather  the rule before dflash_model.context_starts: the key's document id gathered per key
+  bounds      today's dflash_model.block_visible: the same rule from two numbers per block, the
+              first position of the anchor's document and the anchor
+  split       flex_attention over the context keys only (bounds rule), the block's own 16 keys
+              as a dense batched attention, the two merged by their log-sum-exp
+
+    python scripts/experiments/drafter_attention_variants.py [--variants doc_gather,bounds,split]
+
+Prints per variant: ms forward, ms forward+backward, and the largest difference of output and
+q/k/v gradients from the first variant's (bf16)."""
+import argparse, os, sys, time, types
+import torch
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+import dflash_model as dm
+from scripts.benchmark import synthetic_batch  # its four documents a row
+from torch.nn.attention.flex_attention import AuxRequest, create_block_mask, flex_attention
+
+B, A, bs, L, H, KV, D = 4, 512, 16, 3072, 32, 8, 128
+
+
+def drafter_attention_case(dev):
+    """Sorted anchors, documents, and seeded bf16 q/k/v and output gradient at the shapes above
+    (q in the layout DraftAttention hands over)."""
+    doc = synthetic_batch(types.SimpleNamespace(rows=B, max_length=L), vocab=1000, device="cpu")["doc_ids"]
+    g = torch.Generator().manual_seed(0)
+    anchors = torch.sort(torch.rand(B, L, generator=g).topk(A, dim=1).indices, dim=1).values
+    Q, S = A * bs, L + A * bs
+    bf16 = lambda *shape: torch.randn(*shape, generator=g).to(dev, torch.bfloat16)  # noqa: E731
+    return types.SimpleNamespace(doc=doc.to(dev), anchors=anchors.to(dev), Q=Q, S=S,
+                                 q=bf16(B, Q, H, D).transpose(1, 2).requires_grad_(),
+                                 k=bf16(B, KV, S, D).requires_grad_(), v=bf16(B, KV, S, D).requires_grad_(),
+                                 gout=bf16(B, H, Q, D))
+
+
+def variants(c, options):
+    starts = dm.context_starts(c.anchors, c.doc)
+
+    def doc_gather_mod(b, h, q_idx, kv_idx):  # the rule before context_starts
+        blk = q_idx // bs
+        anchor = c.anchors[b, blk.clamp(max=A - 1)]
+        ctx_ok = (kv_idx < anchor) & (c.doc[b, kv_idx.clamp(max=L - 1)] == c.doc[b, anchor])
+        return torch.where(kv_idx < L, ctx_ok, (kv_idx - L) // bs == blk)
+
+    def bounds_mod(b, h, q_idx, kv_idx):
+        return dm.block_visible(q_idx, kv_idx, starts[b], c.anchors[b], L, bs)
+
+    def whole(mask_mod):
+        mask = dm.flex_block_mask(c.anchors, c.doc, bs, mask_mod)
+        return lambda q, k, v: flex_attention(q, k, v, block_mask=mask, enable_gqa=True, kernel_options=options)
+
+    context_mask = create_block_mask(bounds_mod, B, None, c.Q, L, device=c.q.device)  # context keys only
+
+    def split(q, k, v):
+        out_ctx, aux = flex_attention(q, k[:, :, :L], v[:, :, :L], block_mask=context_mask, enable_gqa=True,
+                                      kernel_options=options, return_aux=AuxRequest(lse=True))
+        lse_ctx = aux.lse  # [B, H, Q], natural log
+        qb = q.view(B, KV, H // KV, A, bs, D)
+        kb, vb = (t[:, :, L:].view(B, KV, 1, A, bs, D).float() for t in (k, v))
+        scores = (qb.float() @ kb.transpose(-1, -2)) * D ** -0.5
+        lse_blk = scores.logsumexp(-1)
+        out_blk = ((scores - lse_blk[..., None]).exp() @ vb).reshape(B, H, c.Q, D)
+        lse_blk = lse_blk.reshape(B, H, c.Q)
+        lse = torch.logaddexp(lse_ctx, lse_blk)
+        out = out_ctx.float() * (lse_ctx - lse).exp()[..., None] + out_blk * (lse_blk - lse).exp()[..., None]
+        return out.to(q.dtype)
+
+    return {"doc_gather": whole(doc_gather_mod), "bounds": whole(bounds_mod), "split": split}
+
+
+def cuda_ms(fn, iters):
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    ev = [torch.cuda.Event(enable_timing=True) for _ in range(2)]
+    ev[0].record()
+    for _ in range(iters):
+        fn()
+    ev[1].record()
+    torch.cuda.synchronize()
+    return ev[0].elapsed_time(ev[1]) / iters
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--variants", default="doc_gather,bounds,split")
+    p.add_argument("--iters", type=int, default=20)
+    a = p.parse_args()
+    c = drafter_attention_case("cuda")
+    attend = variants(c, dm.flex_kernel_options(torch.device("cuda"), D))
+    want = None
+    for name in a.variants.split(","):
+        fn = torch.compile(attend[name], dynamic=False)
+        forward = lambda: fn(c.q, c.k, c.v)  # noqa: E731
+
+        def forward_backward():
+            c.q.grad = c.k.grad = c.v.grad = None
+            out = forward()
+            out.backward(c.gout)
+            return out
+        t0 = time.perf_counter()
+        got = [forward_backward().detach(), c.q.grad, c.k.grad, c.v.grad]
+        torch.cuda.synchronize()
+        compile_s = time.perf_counter() - t0
+        fwd, both = cuda_ms(forward, a.iters), cuda_ms(forward_backward, a.iters)
+        want = want or got
+        diff = " ".join(f"{n} {(x.float() - y.float()).abs().max().item():.3g}"
+                        for n, x, y in zip(("out", "dq", "dk", "dv"), got, want))
+        print(f"{name:10s}: forward {fwd:.2f} ms, forward+backward {both:.2f} ms (backward {both - fwd:.2f}); "
+              f"compile {compile_s:.0f} s; max |diff| vs first: {diff}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
