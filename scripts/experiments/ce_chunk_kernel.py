@@ -67,9 +67,9 @@ def ce_rows(logits, labels, with_grad, block=2048, num_warps=8):
     return ce, correct, dlogits if with_grad else None
 
 
-def head_ce_chunk(hidden, weight, labels, with_grad):
+def head_ce_chunk(hidden, weight, labels, with_grad, **config):
     """dm._head_ce_chunk's contract, its reductions in ce_rows."""
-    ce, correct, dlogits = ce_rows(hidden.to(weight.dtype) @ weight.t(), labels, with_grad)
+    ce, correct, dlogits = ce_rows(hidden.to(weight.dtype) @ weight.t(), labels, with_grad, **config)
     return ce, correct, None if dlogits is None else (dlogits @ weight).to(hidden.dtype)
 
 
@@ -77,6 +77,7 @@ def main():
     p = argparse.ArgumentParser()
     p.add_argument("--cpu", action="store_true", help="small shapes on the CPU (with TRITON_INTERPRET=1)")
     p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--configs", default="2048x8,4096x8,4096x16,8192x16", help="BLOCKxWARPS settings of the kernel to time")
     a = p.parse_args()
     dev, (N, H, V) = ("cpu", (8, 64, 1000)) if a.cpu else ("cuda", (4096, 4096, 151936))
     g = torch.Generator().manual_seed(0)
@@ -98,11 +99,15 @@ def main():
     if a.cpu:
         return
     logits = hidden @ weight.t()
-    for label, fn in (("inductor chunk (today)", lambda: inductor(hidden, weight, labels, True)),
-                      ("triton chunk", lambda: head_ce_chunk(hidden, weight, labels, True)),
-                      ("  its reductions alone", lambda: ce_rows(logits, labels, True)),
-                      ("  the two matmuls alone", lambda: (hidden @ weight.t()) @ weight)):
-        print(f"{label:26s}: {cuda_ms(fn, a.iters):7.2f} ms per {N}-position chunk", flush=True)
+    print(f"{'inductor chunk (today)':32s}: {cuda_ms(lambda: inductor(hidden, weight, labels, True), a.iters):7.2f} ms "
+          f"per {N}-position chunk", flush=True)
+    print(f"{'the two matmuls alone':32s}: {cuda_ms(lambda: (hidden @ weight.t()) @ weight, a.iters):7.2f} ms", flush=True)
+    for config in a.configs.split(","):
+        block, warps = map(int, config.split("x"))
+        whole = cuda_ms(lambda: head_ce_chunk(hidden, weight, labels, True, block=block, num_warps=warps), a.iters)
+        alone = cuda_ms(lambda: ce_rows(logits, labels, True, block=block, num_warps=warps), a.iters)
+        print(f"{f'triton chunk, {block} x {warps} warps':32s}: {whole:7.2f} ms (its reductions alone {alone:.2f})",
+              flush=True)
 
 
 if __name__ == "__main__":
