@@ -1,12 +1,15 @@
 #!/bin/bash
-# flex_attention kernel_options sweep at the drafter's shapes on a 2-GPU machine (run from the
-# repository root): 12 settings compile side by side (one compile thread each), each is timed
-# alone on its GPU, then every setting's output and gradients are compared with the default's.
+# flex_attention kernel_options sweep at the drafter's shapes on a 2-GPU machine, or all on
+# cuda:0 where there is one (run from the repository root): 12 settings compile side by side (one
+# compile thread each), each is timed alone on its GPU, then every setting's output and gradients
+# are compared with the default's.
 # This is how SM90_FLEX_BACKWARD in dflash_model.py was chosen (docs/benchmarks.md, third session).
 mkdir -p /tmp/exp
 export PYTHONUNBUFFERED=1
 i=0
+gpus=$(nvidia-smi -L | wc -l)
 while read -r dev opts; do
+  [ "$gpus" -ge 2 ] || dev=cuda:0
   TORCHINDUCTOR_COMPILE_THREADS=1 timeout 450 python3 scripts/experiments/flex_backward_configs.py $i "$opts" $dev > /tmp/exp/flex_$i.log 2>&1 &
   i=$((i+1))
 done <<'CFG'
