@@ -47,8 +47,10 @@ def main(argv=None):
     g.add_argument("--batch-size", type=int, default=128, help="rows decoded together per replica")
     g.add_argument("--attention", choices=["grouped", "flex"], default="grouped",
                    help="the decode steps' attention: grouped SDPA over every cache slot, or flex_attention reading "
-                   "only the slots each row uses, rows of any length sharing one decoder (on one H200 its step is 2.3x "
-                   "grouped's with every row live, a net loss: docs/benchmarks.md, seventeenth session)")
+                   "only the slots each row uses, rows of any length sharing one decoder. On one H200 with every row "
+                   "live: at SmolLM2's 9 query heads over 3 its step is 2.3x grouped's; where query heads per KV head "
+                   "are a power of two (Qwen3-8B's 32 over 8) it gets inductor's decoding kernel and is 1.08-1.26x "
+                   "faster (docs/benchmarks.md, seventeenth and twentieth sessions; not yet measured end to end)")
     g.add_argument("--max-context-tokens", type=int, default=0,
                    help="a conversation ends before a turn whose prompt has this many tokens (pass training's "
                    "--max-length: later turns are cut off there anyway); 0: the target's window less --max-new-tokens")
