@@ -229,23 +229,31 @@ def block_visible(q_idx, kv_idx, starts, anchors, seq_len, block_size):
     return in_context | ((kv_idx - seq_len) // block_size == blk)
 
 
-def visible_keys(anchors, doc_ids, block_size, num_keys):
+def block_mask_mod(starts, anchors, seq_len, block_size):
+    """flex_attention's mask_mod of the rule, for rows of starts and anchors [B, A]."""
+    def mask_mod(b, h, q_idx, kv_idx):
+        return block_visible(q_idx, kv_idx, starts[b], anchors[b], seq_len, block_size)
+    return mask_mod
+
+
+def visible_keys(starts, anchors, seq_len, block_size, num_keys):
     """[B, A, num_keys]: the keys each block may attend to. Every slot of a block sees the same
     keys (its anchor's context, then its own block), so one query per block decides; keys past
     the last block (padding to whole tiles) are seen by none."""
-    A, L = anchors.shape[1], doc_ids.shape[1]
+    A, L = anchors.shape[1], seq_len
     first_slot = torch.arange(A, device=anchors.device)[:, None] * block_size
     kv = torch.arange(num_keys, device=anchors.device)[None, :]
     # vmap over rows, not a Python loop: a loop traced into the compiled step grows with the
     # rows (at 4096 rows tracing alone had not finished after 140 s on the H200 machine)
     one_row = lambda row_starts, row_anchors: block_visible(first_slot, kv, row_starts, row_anchors, L, block_size)
-    return torch.vmap(one_row)(context_starts(anchors, doc_ids), anchors)
+    return torch.vmap(one_row)(starts, anchors)
 
 
 def dense_block_mask(anchors, doc_ids, block_size):
     """[B, 1, A*bs, L + A*bs] boolean mask (True = may attend)."""
     A, L = anchors.shape[1], doc_ids.shape[1]
-    return visible_keys(anchors, doc_ids, block_size, L + A * block_size).repeat_interleave(block_size, 1)[:, None]
+    seen = visible_keys(context_starts(anchors, doc_ids), anchors, L, block_size, L + A * block_size)
+    return seen.repeat_interleave(block_size, 1)[:, None]
 
 
 def ordered_blocks(blocks):
@@ -270,16 +278,16 @@ def block_mask_of_tiles(partial, full, mask_mod, seq_lengths, tile=128):
                                     seq_lengths=seq_lengths, compute_q_blocks=False)
 
 
-def flex_block_mask(anchors, doc_ids, block_size, mask_mod, tile=128):
-    """The BlockMask create_block_mask(mask_mod) would give, without evaluating the rule at every
-    (query, key) pair: all slots of a block see the same keys, so the rule is evaluated once per
-    block (first slot) and per-tile counts follow from how blocks overlap query tiles. At the
-    benchmark's shapes: [4, 512, 11264] evaluations instead of [4, 8192, 11264], and no argsort."""
+def flex_block_mask(starts, anchors, seq_len, block_size, mask_mod, tile=128):
+    """The BlockMask create_block_mask(mask_mod) would give for the rule over rows of starts and
+    anchors [B, A] (seq_len context keys), without evaluating it at every (query, key) pair: all
+    slots of a block see the same keys, so the rule is evaluated once per block (first slot) and
+    per-tile counts follow from how blocks overlap query tiles. At the benchmark's shapes:
+    [4, 512, 11264] evaluations instead of [4, 8192, 11264], and no argsort."""
     B, A = anchors.shape
-    L = doc_ids.shape[1]
-    Q, KV = A * block_size, L + A * block_size
+    Q, KV = A * block_size, seq_len + A * block_size
     n_q, n_kv = -(-Q // tile), -(-KV // tile)
-    seen = visible_keys(anchors, doc_ids, block_size, n_kv * tile)         # [B, A, n_kv * tile]
+    seen = visible_keys(starts, anchors, seq_len, block_size, n_kv * tile)  # [B, A, n_kv * tile]
     keys_per_tile = seen.view(B, A, n_kv, tile).sum(-1, dtype=torch.int32)  # [B, A, n_kv]
     tile_start = torch.arange(n_q, device=anchors.device)[:, None] * tile
     block_start = torch.arange(A, device=anchors.device) * block_size
@@ -332,15 +340,10 @@ def flex_attend(anchors, doc_ids, block_size):
     """flex_attention over a block-sparse mask built from the same predicate (GPU path). Inside a
     torch.compile'd step both are traced into the step; eagerly, flex_attention runs compiled."""
     from torch.nn.attention.flex_attention import flex_attention
-    L = doc_ids.shape[1]
-    starts = context_starts(anchors, doc_ids)
-
-    def mask_mod(b, h, q_idx, kv_idx):
-        return block_visible(q_idx, kv_idx, starts[b], anchors[b], L, block_size)
-
+    L, starts = doc_ids.shape[1], context_starts(anchors, doc_ids)
     # Not create_block_mask: compiling it cost 153 s at start-up at the benchmark's shapes on an
     # H200 (docs/benchmarks.md), in eager mode (its _compile) and traced into the compiled step.
-    block_mask = flex_block_mask(anchors, doc_ids, block_size, mask_mod)
+    block_mask = flex_block_mask(starts, anchors, L, block_size, block_mask_mod(starts, anchors, L, block_size))
     attn = flex_attention if torch.compiler.is_compiling() else compiled(flex_attention)
 
     def attend(q, k, v):

@@ -126,7 +126,10 @@ def synthetic_batch(a, vocab, device, seed=0, features_dim=None):
     return {k: v.to(device) for k, v in b.items()}
 
 
-def time_cuda(fn, n, device):
+def time_cuda(fn, n, device, warmup=0):
+    """Seconds a call of fn, over n calls after warmup untimed ones."""
+    for _ in range(warmup):
+        fn()
     torch.cuda.synchronize(device)
     t0 = time.perf_counter()
     for _ in range(n):

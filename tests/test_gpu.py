@@ -248,12 +248,10 @@ def drafter_mask_case(H, KV, D):
     anchors = torch.sort(torch.rand(B, L, generator=g).topk(A, dim=1).indices, dim=1).values.cuda()
     doc = doc.cuda()
     starts = dm.context_starts(anchors, doc)
-
-    def mask_mod(b, h, q, kv):
-        return dm.block_visible(q, kv, starts[b], anchors[b], L, bs)
     q = torch.randn(B, H, A * bs, D, generator=g).cuda().bfloat16()
     k, v = torch.randn(2, B, KV, L + A * bs, D, generator=g).cuda().bfloat16()
-    return types.SimpleNamespace(B=B, L=L, A=A, bs=bs, anchors=anchors, doc=doc, mask_mod=mask_mod, q=q, k=k, v=v)
+    return types.SimpleNamespace(B=B, L=L, A=A, bs=bs, anchors=anchors, starts=starts,
+                                 mask_mod=dm.block_mask_mod(starts, anchors, L, bs), q=q, k=k, v=v)
 
 
 def flex_output_and_grads(attend, case):
@@ -271,8 +269,8 @@ def test_flex_block_mask_on_gpu_equals_create_block_mask_forward_and_backward():
     from test_model import BLOCK_MASK_FIELDS
     c = drafter_mask_case(H=4, KV=2, D=128)
     want = create_block_mask(c.mask_mod, c.B, None, c.A * c.bs, c.L + c.A * c.bs, device="cuda")
-    eager = dm.flex_block_mask(c.anchors, c.doc, c.bs, c.mask_mod)
-    compiled = torch.compile(lambda: [getattr(dm.flex_block_mask(c.anchors, c.doc, c.bs, c.mask_mod), f)
+    eager = dm.flex_block_mask(c.starts, c.anchors, c.L, c.bs, c.mask_mod)
+    compiled = torch.compile(lambda: [getattr(dm.flex_block_mask(c.starts, c.anchors, c.L, c.bs, c.mask_mod), f)
                                       for f in BLOCK_MASK_FIELDS], fullgraph=True)()
     for f, cf in zip(BLOCK_MASK_FIELDS, compiled):  # values, and the (contiguous) layout flex's kernels assume
         assert torch.equal(getattr(eager, f), getattr(want, f)) and torch.equal(cf, getattr(want, f)), f
@@ -295,7 +293,7 @@ def test_flex_backward_options_give_bitwise_the_same_gradients(D):
     if options is None:
         pytest.skip("no backward options on this GPU")
     c = drafter_mask_case(H=9, KV=3, D=D)
-    mask = dm.flex_block_mask(c.anchors, c.doc, c.bs, c.mask_mod)
+    mask = dm.flex_block_mask(c.starts, c.anchors, c.L, c.bs, c.mask_mod)
     results = []
     for kernel_options in (None, options):
         attend = torch.compile(lambda q, k, v: flex_attention(q, k, v, block_mask=mask, enable_gqa=True,

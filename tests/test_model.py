@@ -94,20 +94,18 @@ def test_flex_block_mask_equals_create_block_mask(B, L, A, bs):
         doc[r, -3:] = -1
     anchors = torch.sort(torch.rand(B, L, generator=g).topk(A, dim=1).indices, dim=1).values
     starts = dm.context_starts(anchors, doc)
-
-    def mask_mod(b, h, q, kv):
-        return dm.block_visible(q, kv, starts[b], anchors[b], L, bs)
+    mask_mod = dm.block_mask_mod(starts, anchors, L, bs)
     want = create_block_mask(mask_mod, B, None, A * bs, L + A * bs, device="cpu")
     with torch.autocast("cpu", dtype=torch.bfloat16):  # as in the training step: counts must stay exact
-        got = dm.flex_block_mask(anchors, doc, bs, mask_mod)
+        got = dm.flex_block_mask(starts, anchors, L, bs, mask_mod)
     assert (got.seq_lengths, got.BLOCK_SIZE) == (want.seq_lengths, want.BLOCK_SIZE)
     for f in BLOCK_MASK_FIELDS:  # values, and the layout flex's Triton kernels assume (contiguous)
         assert torch.equal(getattr(got, f), getattr(want, f)), f
         assert getattr(got, f).stride() == getattr(want, f).stride(), f
     assert got.mask_mod is mask_mod
     if B == 2 and L == 128:  # traced as in the compiled step (fullgraph): the same tensors
-        build = torch.compile(lambda a, d: [getattr(dm.flex_block_mask(a, d, bs, mask_mod), f) for f in BLOCK_MASK_FIELDS],
-                              fullgraph=True, dynamic=False)
+        build = torch.compile(lambda a, d: [getattr(dm.flex_block_mask(dm.context_starts(a, d), a, L, bs, mask_mod), f)
+                                            for f in BLOCK_MASK_FIELDS], fullgraph=True, dynamic=False)
         for f, t in zip(BLOCK_MASK_FIELDS, build(anchors, doc)):
             assert torch.equal(t, getattr(want, f)) and t.stride() == getattr(want, f).stride(), f
 
@@ -123,7 +121,7 @@ def test_block_mask_trace_does_not_grow_with_rows():
     for B in (2, 32):
         anchors = torch.sort(torch.rand(B, 300).topk(20, dim=1).indices, dim=1).values
         doc = torch.zeros(B, 300, dtype=torch.long)
-        torch.compile(lambda a, d: dm.flex_block_mask(a, d, 4, None).kv_indices, backend=count_nodes,
+        torch.compile(lambda a, d: dm.flex_block_mask(dm.context_starts(a, d), a, 300, 4, None).kv_indices, backend=count_nodes,
                       fullgraph=True, dynamic=False)(anchors, doc)
     assert node_counts[0] == node_counts[1], node_counts
 
@@ -151,7 +149,7 @@ def test_flex_attention_path_equals_dense_path():
     doc[1, 550:] = 2
     anchors = torch.stack([torch.sort(torch.randperm(L - 1)[:A]).values for _ in range(B)])
     anchors[:, -1] = L - 2
-    assert dm.flex_block_mask(anchors, doc, bs, None).full_kv_num_blocks.sum() > 0
+    assert dm.flex_block_mask(dm.context_starts(anchors, doc), anchors, L, bs, None).full_kv_num_blocks.sum() > 0
     f32 = torch.float32  # flex_attention on CPU takes no float64
     q = torch.randn(B, A * bs, H, D, dtype=f32).transpose(1, 2)  # the layout DraftAttention hands over
     k, v = torch.randn(2, B, KV, L + A * bs, D, dtype=f32)

@@ -20,12 +20,12 @@ B, A, bs, L = 4, 512, 16, 3072
 doc = torch.zeros(B, L, dtype=torch.long, device=dev)
 anchors = torch.sort(torch.rand(B, L, device=dev).topk(A, dim=1).indices, dim=1).values
 starts = dm.context_starts(anchors, doc)
-mm = lambda b, h, q, kv: dm.block_visible(q, kv, starts[b], anchors[b], L, bs)
-direct = torch.compile(lambda: dm.flex_block_mask(anchors, doc, bs, mm).kv_indices, fullgraph=True)
+mm = dm.block_mask_mod(starts, anchors, L, bs)
+direct = torch.compile(lambda: dm.flex_block_mask(starts, anchors, L, bs, mm).kv_indices, fullgraph=True)
 for label, build in (("create_block_mask eager", lambda: create_block_mask(mm, B, None, A * bs, L + A * bs, device=dev)),
                      ("create_block_mask _compile=True",
                       lambda: create_block_mask(mm, B, None, A * bs, L + A * bs, device=dev, _compile=True)),
-                     ("flex_block_mask eager", lambda: dm.flex_block_mask(anchors, doc, bs, mm)),
+                     ("flex_block_mask eager", lambda: dm.flex_block_mask(starts, anchors, L, bs, mm)),
                      ("flex_block_mask compiled", direct)):
     if label == "create_block_mask _compile=True" and "--skip-create-compiled" in sys.argv:
         continue

@@ -19,7 +19,7 @@ import triton
 import triton.language as tl
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 import dflash_model as dm
-from scripts.experiments.drafter_attention_variants import cuda_ms
+from scripts.benchmark import time_cuda
 
 
 @triton.jit
@@ -37,13 +37,12 @@ def ce_rows_kernel(logits, labels, dlogits, ce, correct, V, BLOCK: tl.constexpr,
         cols = start + tl.arange(0, BLOCK)
         x = tl.load(x_row + cols, mask=cols < V, other=float("-inf")).to(tl.float32)
         above = x > lane_max  # strict: a lane keeps its first maximum
-        e = tl.where(x == lane_max, 1.0, tl.exp(-tl.abs(x - lane_max)))  # also 1 for -inf == -inf (no nan)
-        e = tl.where((x == float("-inf")) & (lane_max == float("-inf")), 0.0, e)
+        e = tl.where(x == float("-inf"), 0.0, tl.exp(-tl.abs(x - lane_max)))  # masked lanes add nothing (no nan)
         lane_sum = tl.where(above, lane_sum * e + 1.0, lane_sum + e)
         lane_first = tl.where(above, cols.to(tl.int64), lane_first)
         lane_max = tl.maximum(lane_max, x)
     row_max = tl.max(lane_max, 0)
-    lse = row_max + tl.log(tl.sum(tl.where(lane_max == float("-inf"), 0.0, lane_sum * tl.exp(lane_max - row_max)), 0))
+    lse = row_max + tl.log(tl.sum(lane_sum * tl.exp(lane_max - row_max), 0))  # an empty lane: 0 * exp(-inf)
     best = tl.min(tl.where(lane_max == row_max, lane_first, V), 0)  # the first index of the row's maximum
     tl.store(ce + row, lse - tl.load(x_row + label).to(tl.float32))
     tl.store(correct + row, best == label)
@@ -99,13 +98,14 @@ def main():
     if a.cpu:
         return
     logits = hidden @ weight.t()
-    print(f"{'inductor chunk (today)':32s}: {cuda_ms(lambda: inductor(hidden, weight, labels, True), a.iters):7.2f} ms "
+    ms = lambda fn: time_cuda(fn, a.iters, "cuda", warmup=3) * 1e3  # noqa: E731
+    print(f"{'inductor chunk (today)':32s}: {ms(lambda: inductor(hidden, weight, labels, True)):7.2f} ms "
           f"per {N}-position chunk", flush=True)
-    print(f"{'the two matmuls alone':32s}: {cuda_ms(lambda: (hidden @ weight.t()) @ weight, a.iters):7.2f} ms", flush=True)
+    print(f"{'the two matmuls alone':32s}: {ms(lambda: (hidden @ weight.t()) @ weight):7.2f} ms", flush=True)
     for config in a.configs.split(","):
         block, warps = map(int, config.split("x"))
-        whole = cuda_ms(lambda: head_ce_chunk(hidden, weight, labels, True, block=block, num_warps=warps), a.iters)
-        alone = cuda_ms(lambda: ce_rows(logits, labels, True, block=block, num_warps=warps), a.iters)
+        whole = ms(lambda: head_ce_chunk(hidden, weight, labels, True, block=block, num_warps=warps))
+        alone = ms(lambda: ce_rows(logits, labels, True, block=block, num_warps=warps))
         print(f"{f'triton chunk, {block} x {warps} warps':32s}: {whole:7.2f} ms (its reductions alone {alone:.2f})",
               flush=True)
 

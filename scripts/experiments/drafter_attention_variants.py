@@ -16,7 +16,7 @@ import argparse, os, sys, time, types
 import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 import dflash_model as dm
-from scripts.benchmark import synthetic_batch  # its four documents a row
+from scripts.benchmark import synthetic_batch, time_cuda  # its four documents a row
 from torch.nn.attention.flex_attention import AuxRequest, create_block_mask, flex_attention
 
 B, A, bs, L, H, KV, D = 4, 512, 16, 3072, 32, 8, 128
@@ -38,6 +38,7 @@ def drafter_attention_case(dev):
 
 def variants(c, options):
     starts = dm.context_starts(c.anchors, c.doc)
+    bounds_mod = dm.block_mask_mod(starts, c.anchors, L, bs)
 
     def doc_gather_mod(b, h, q_idx, kv_idx):  # the rule before context_starts
         blk = q_idx // bs
@@ -45,11 +46,8 @@ def variants(c, options):
         ctx_ok = (kv_idx < anchor) & (c.doc[b, kv_idx.clamp(max=L - 1)] == c.doc[b, anchor])
         return torch.where(kv_idx < L, ctx_ok, (kv_idx - L) // bs == blk)
 
-    def bounds_mod(b, h, q_idx, kv_idx):
-        return dm.block_visible(q_idx, kv_idx, starts[b], c.anchors[b], L, bs)
-
     def whole(mask_mod):
-        mask = dm.flex_block_mask(c.anchors, c.doc, bs, mask_mod)
+        mask = dm.flex_block_mask(starts, c.anchors, L, bs, mask_mod)
         return lambda q, k, v: flex_attention(q, k, v, block_mask=mask, enable_gqa=True, kernel_options=options)
 
     context_mask = create_block_mask(bounds_mod, B, None, c.Q, L, device=c.q.device)  # context keys only
@@ -69,19 +67,6 @@ def variants(c, options):
         return out.to(q.dtype)
 
     return {"doc_gather": whole(doc_gather_mod), "bounds": whole(bounds_mod), "split": split}
-
-
-def cuda_ms(fn, iters):
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    ev = [torch.cuda.Event(enable_timing=True) for _ in range(2)]
-    ev[0].record()
-    for _ in range(iters):
-        fn()
-    ev[1].record()
-    torch.cuda.synchronize()
-    return ev[0].elapsed_time(ev[1]) / iters
 
 
 def main():
@@ -105,7 +90,7 @@ def main():
         got = [forward_backward().detach(), c.q.grad, c.k.grad, c.v.grad]
         torch.cuda.synchronize()
         compile_s = time.perf_counter() - t0
-        fwd, both = cuda_ms(forward, a.iters), cuda_ms(forward_backward, a.iters)
+        fwd, both = (time_cuda(f, a.iters, "cuda", warmup=3) * 1e3 for f in (forward, forward_backward))
         want = want or got
         diff = " ".join(f"{n} {(x.float() - y.float()).abs().max().item():.3g}"
                         for n, x, y in zip(("out", "dq", "dk", "dv"), got, want))

@@ -18,10 +18,7 @@ mask_bs = opts.pop("MASK_BLOCK", None)
 torch.cuda.set_device(dev)
 c = drafter_attention_case(dev)
 anchors, q, k, v, gout, Q, S = c.anchors, c.q, c.k, c.v, c.gout, c.Q, c.S
-starts = dm.context_starts(anchors, c.doc)
-
-def mask_mod(b, h, q_idx, kv_idx):
-    return dm.block_visible(q_idx, kv_idx, starts[b], anchors[b], L, bs)
+mask_mod = dm.block_mask_mod(dm.context_starts(anchors, c.doc), anchors, L, bs)
 
 kw = {} if mask_bs is None else {"BLOCK_SIZE": tuple(mask_bs)}
 t0 = time.perf_counter()
