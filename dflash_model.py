@@ -384,6 +384,77 @@ def _head_ce_chunk(hidden, weight, labels, with_grad):
     return ce, correct, (dlogits.to(weight.dtype) @ weight).to(hidden.dtype)
 
 
+# On CUDA the chunk's reductions are one Triton kernel: inductor's reads each row of logits about
+# six times, this one twice, writing the gradient once in bf16 over the logits themselves
+# (docs/benchmarks.md, twenty-first session). triton comes with torch's CUDA builds.
+try:
+    import triton
+    import triton.language as tl
+except ImportError:
+    triton = None
+
+HEAD_CE_KERNEL = "triton"  # or "torch" (inductor's); scripts/benchmark.py --ce-kernel compares them
+CE_ROWS_BLOCK, CE_ROWS_WARPS = 2048, 8
+
+if triton is not None:
+    @triton.jit
+    def _ce_rows_kernel(logits, labels, ce, correct, V, BLOCK: tl.constexpr, WITH_GRAD: tl.constexpr):
+        # One program a row. Pass 1 keeps, per lane, a running max, the sum of exponentials under
+        # it (one exp an element) and the first index of that max; the lanes are combined once, at
+        # the end. Pass 2 overwrites the row with softmax - onehot(label).
+        row = tl.program_id(0).to(tl.int64)
+        x_row = logits + row * V
+        label = tl.load(labels + row)
+        lane_max = tl.full((BLOCK,), float("-inf"), tl.float32)
+        lane_sum = tl.zeros((BLOCK,), tl.float32)
+        lane_first = tl.zeros((BLOCK,), tl.int32)
+        for start in range(0, V, BLOCK):
+            cols = start + tl.arange(0, BLOCK)
+            x = tl.load(x_row + cols, mask=cols < V, other=float("-inf")).to(tl.float32)
+            above = x > lane_max  # strict: a lane keeps its first maximum
+            e = tl.where(x == float("-inf"), 0.0, tl.exp(-tl.abs(x - lane_max)))  # masked lanes add nothing (no nan)
+            lane_sum = tl.where(above, lane_sum * e + 1.0, lane_sum + e)
+            lane_first = tl.where(above, cols, lane_first)
+            lane_max = tl.maximum(lane_max, x)
+        row_max = tl.max(lane_max, 0)
+        lse = row_max + tl.log(tl.sum(lane_sum * tl.exp(lane_max - row_max), 0))  # an empty lane: 0 * exp(-inf)
+        best = tl.min(tl.where(lane_max == row_max, lane_first, V), 0)  # the first index of the row's maximum
+        tl.store(ce + row, lse - tl.load(x_row + label).to(tl.float32))
+        tl.store(correct + row, best == label)
+        if WITH_GRAD:
+            for start in range(0, V, BLOCK):
+                cols = start + tl.arange(0, BLOCK)
+                x = tl.load(x_row + cols, mask=cols < V, other=0.0).to(tl.float32)
+                g = tl.exp(x - lse) - (cols == label).to(tl.float32)
+                tl.store(x_row + cols, g.to(logits.dtype.element_ty), mask=cols < V)
+
+
+def ce_rows(logits, labels, with_grad, block=None, num_warps=None):
+    """(ce fp32, correct) of [N, V] logits by _ce_rows_kernel; with_grad overwrites logits with
+    d ce / d logits = softmax - onehot(label)."""
+    N, V = logits.shape
+    ce = torch.empty(N, dtype=torch.float32, device=logits.device)
+    correct = torch.empty(N, dtype=torch.bool, device=logits.device)
+    _ce_rows_kernel[(N,)](logits, labels, ce, correct, V, BLOCK=block or CE_ROWS_BLOCK, WITH_GRAD=with_grad,
+                          num_warps=num_warps or CE_ROWS_WARPS)
+    return ce, correct
+
+
+def _head_ce_chunk_triton(hidden, weight, labels, with_grad, **config):
+    """_head_ce_chunk's contract, its reductions in ce_rows."""
+    logits = (hidden.to(weight.dtype) @ weight.t()).contiguous()
+    ce, correct = ce_rows(logits, labels.contiguous(), with_grad, **config)
+    return ce, correct, (logits @ weight).to(hidden.dtype) if with_grad else None
+
+
+def head_ce_chunk_fn(device, compile_chunk):
+    """The chunk function lm_head_ce runs: HEAD_CE_KERNEL "triton" on CUDA where triton is
+    installed, else torch's (compiled when compile_chunk)."""
+    if HEAD_CE_KERNEL == "triton" and device.type == "cuda" and triton is not None:
+        return _head_ce_chunk_triton
+    return compiled(_head_ce_chunk) if compile_chunk else _head_ce_chunk
+
+
 # A custom op, so that torch.compile sees one opaque call: traced, the loop over chunks unrolled
 # into the step, and compile time grew with the chunk count (53 chunks: still compiling after
 # 200 s on an H200, docs/benchmarks.md). Inside a compiled step each chunk runs one compiled kernel
@@ -391,7 +462,7 @@ def _head_ce_chunk(hidden, weight, labels, with_grad):
 @torch.library.custom_op("dflash::lm_head_ce", mutates_args=())
 def _lm_head_ce(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, chunk_size: int,
                 with_grad: bool, compile_chunk: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    chunk = compiled(_head_ce_chunk) if compile_chunk else _head_ce_chunk
+    chunk = head_ce_chunk_fn(hidden.device, compile_chunk)
     out = [chunk(hidden[s:s + chunk_size], weight, labels[s:s + chunk_size], with_grad)
            for s in range(0, hidden.shape[0], chunk_size)]
     ce, correct = torch.cat([o[0] for o in out]), torch.cat([o[1] for o in out])

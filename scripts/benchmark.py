@@ -196,6 +196,8 @@ def kernel_category(name):
         return "matmul (cuBLAS)"
     if "flex" in n or n.startswith("triton_tem"):
         return "flex_attention (triton templates)"
+    if "ce_rows" in n:
+        return "LM-head CE reductions (dm.ce_rows)"
     if n.startswith(("triton_red", "triton_per")):
         return "fused reductions (triton)"
     if n.startswith("triton_poi"):
@@ -489,6 +491,8 @@ def main():
     p.add_argument("--block", type=int, default=16)
     p.add_argument("--draft-layers", type=int, default=5)
     p.add_argument("--ce-chunk", type=int, default=4096)
+    p.add_argument("--ce-kernel", choices=("triton", "torch"), default=dm.HEAD_CE_KERNEL,
+                   help="the LM-head chunk's reductions on CUDA: the Triton kernel or inductor's (dm.HEAD_CE_KERNEL)")
     p.add_argument("--target-attention", choices=("dense", "flex"), default="flex",
                    help="the target stage's attention in the sections after 'target' (which times both)")
     p.add_argument("--iters", type=int, default=10)
@@ -522,6 +526,7 @@ def main():
     a.rows = a.rows or PRESET_BATCH[a.preset][0]
     a.max_length = a.max_length or PRESET_BATCH[a.preset][1]
     skip = set(a.skip.split(","))
+    dm.HEAD_CE_KERNEL = a.ce_kernel
     from transformers import Qwen3Config
     cfg = Qwen3Config(**PRESETS[a.preset])
     layer_ids = dm.default_target_layer_ids(cfg.num_hidden_layers, a.draft_layers)
@@ -545,7 +550,7 @@ def main():
 
     report(f"# {time.strftime('%Y-%m-%d %H:%M')} {torch.cuda.get_device_name(0)} x{n_gpu}, torch {torch.__version__}")
     report(f"preset {a.preset}: batch {a.rows} x {a.max_length} tokens, {a.anchors} anchors/row x block {a.block}, "
-           f"{a.draft_layers} draft layers, target layers {layer_ids}; target on {target_devs}, drafter on {drafter_devs}")
+           f"{a.draft_layers} draft layers, target layers {layer_ids}, LM-head CE kernel {a.ce_kernel}; target on {target_devs}, drafter on {drafter_devs}")
     report(f"FLOPs: {FORMULA}")
     results = {"preset": a.preset, "rows": a.rows, "max_length": a.max_length}
     t_flops = target_flops_per_token(cfg, max(layer_ids) + 1)

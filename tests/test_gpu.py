@@ -303,6 +303,36 @@ def test_flex_backward_options_give_bitwise_the_same_gradients(D):
         assert torch.equal(a, b)
 
 
+@pytest.mark.skipif(dm.triton is None, reason="needs triton")
+def test_triton_lm_head_ce_matches_inductor_chunks(monkeypatch):
+    # The CUDA default's reductions (dm.ce_rows) against inductor's compiled chunk, through the
+    # custom op and its backward: two chunks, the second partial, a vocabulary off the block.
+    torch.manual_seed(0)
+    N, D, V, chunk = 3000, 512, 50257, 2048
+    w = (torch.randn(V, D, device="cuda") * 0.05).to(torch.bfloat16)
+    h = torch.randn(N, D, device="cuda", dtype=torch.bfloat16)
+    lab = torch.randint(0, V, (N,), device="cuda")
+    lab[:1000] = (h @ w.t()).argmax(-1)[:1000]  # right guesses, some in each chunk
+    g = torch.randn(N, device="cuda")
+    results = {}
+    for kernel in ("torch", "triton"):
+        monkeypatch.setattr(dm, "HEAD_CE_KERNEL", kernel)
+        x = h.clone().requires_grad_(True)
+        ce, correct, _ = dm._lm_head_ce(x, w, lab, chunk, True, True)  # as inside a compiled step
+        (ce * g).sum().backward()
+        ce_eval, correct_eval = dm.lm_head_ce(h, w, lab, chunk, with_grad=False)
+        results[kernel] = ce, correct, x.grad, ce_eval, correct_eval
+    want, got = results["torch"], results["triton"]
+    # Inductor's matmul may take another cuBLAS algorithm: a logit can round one bf16 step apart
+    torch.testing.assert_close(got[0], want[0], rtol=4e-3, atol=1e-4)
+    assert (got[0] - want[0]).abs().gt(1e-4).float().mean() < 1e-2
+    assert torch.equal(got[1], want[1]) and int(got[1].sum()) >= 1000
+    # bf16 rounding of softmax - onehot flips where lse differs in its last fp32 bit
+    assert (got[2].float() - want[2].float()).abs().max() <= 1e-2 * want[2].float().abs().max()
+    torch.testing.assert_close(got[3], got[0], rtol=0, atol=0)
+    assert torch.equal(got[4], got[1])
+
+
 def test_batched_decoding_graphed_equals_eager_and_is_lossless():
     """The generation engine on CUDA: each decode step replayed as a CUDA graph gives the eager
     step's tokens (greedy) and its speculation gives the greedy outputs, with a drafter and with

@@ -266,6 +266,45 @@ def test_compiled_head_chunk_matches_eager_and_writes_no_fp32_vocabulary_buffer(
     assert vocab_buffers and "float32" not in vocab_buffers, vocab_buffers
 
 
+CE_ROWS_CHECK = """
+import sys, torch
+sys.path.insert(0, sys.argv[1])
+import dflash_model as dm
+torch.manual_seed(0)
+N, D, V = 24, 32, 1000  # V not a multiple of the block: the tail is masked
+h = torch.randn(N, D, dtype=torch.bfloat16)
+w = (torch.randn(V, D) * 0.3).to(torch.bfloat16)
+lab = torch.randint(0, V, (N,))
+lab[:8] = (h @ w.t()).float().argmax(-1)[:8]  # some right guesses
+for with_grad in (True, False):
+    want = dm._head_ce_chunk(h, w, lab, with_grad)
+    got = dm._head_ce_chunk_triton(h, w, lab, with_grad, block=256, num_warps=4)
+    torch.testing.assert_close(got[0], want[0], rtol=0, atol=1e-5)
+    assert torch.equal(got[1], want[1]) and int(got[1].sum()) >= 8
+    assert (got[2] is None) == (not with_grad)
+    if with_grad:
+        # bf16 rounding of softmax - onehot flips where lse differs in its last fp32 bit
+        torch.testing.assert_close(got[2], want[2], rtol=1.6e-2, atol=1e-3)
+# Tied maxima: the first index wins, as torch.argmax; -inf logits add nothing
+logits = torch.tensor([[1.0, 3.0, 3.0, float("-inf")] * 300], dtype=torch.bfloat16).repeat(2, 1)
+ce, correct = dm.ce_rows(logits.clone(), torch.tensor([1, 2]), False, block=256, num_warps=4)
+assert correct.tolist() == (logits.float().argmax(-1) == torch.tensor([1, 2])).tolist() == [True, False]
+torch.testing.assert_close(ce, torch.nn.functional.cross_entropy(logits.float(), torch.tensor([1, 2]), reduction="none"))
+print("ok")
+"""
+
+
+def test_triton_ce_kernel_matches_torch_chunk_interpreted():
+    # The CUDA path's LM-head reductions (dm.ce_rows), run by Triton's interpreter on the CPU
+    # against the torch chunk; tests/test_gpu.py runs it compiled.
+    pytest.importorskip("triton")
+    import subprocess, sys
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    out = subprocess.run([sys.executable, "-c", CE_ROWS_CHECK, root], env=dict(os.environ, TRITON_INTERPRET="1"),
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-3000:]
+
+
 def test_save_load_round_trip(tmp_path):
     target = tiny_target()
     drafter = make_drafter(target)
