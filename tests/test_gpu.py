@@ -175,6 +175,32 @@ def test_resumed_optimizer_follows_the_schedule():
         assert torch.equal(p, q)
 
 
+def test_clipping_by_the_fused_adamw_equals_clipping_the_gradient():
+    # On CUDA the clip reaches the update as the fused AdamW's grad_scale (no pass over the
+    # gradient of its own): the update must be torch's for-loop AdamW's on the clipped gradient.
+    # eps 1 and lr 1 make the update about the gradient itself, so an unclipped one differs.
+    w = make_worker(compile=False)
+    w.args.grad_clip = 0.01
+    w.optimizer.param_groups[0]["eps"] = 1.0
+    w.lr.fill_(1.0)
+    params = list(w.drafter.parameters())
+    b = batches(1)[0]
+    w.forward_backward([b[k] for k in tp.BATCH_KEYS] + [w.anchor_noise(1, torch.empty(ROWS, LENGTH, device="cuda"))])
+    grad = w.flat_grad.clone()
+    norm = grad.norm().item()
+    assert norm > 10 * w.args.grad_clip  # the clip is active
+    expected = {}
+    for name, coef in (("clipped", w.args.grad_clip / (norm + 1e-6)), ("unclipped", 1.0)):
+        ps, at = [p.detach().clone().requires_grad_(True) for p in params], 0
+        for p in ps:
+            p.grad, at = grad[at:at + p.numel()].view_as(p) * coef, at + p.numel()
+        torch.optim.AdamW(ps, lr=1.0, weight_decay=w.args.weight_decay, eps=1.0, foreach=False).step()
+        expected[name] = ps
+    w.clip_and_update()
+    diff = {name: max((p - q).abs().max().item() for p, q in zip(params, ps)) for name, ps in expected.items()}
+    assert diff["clipped"] < 1e-8 and diff["unclipped"] > 1e-6, diff
+
+
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
 def test_two_gpu_workers_average_gradients_and_stay_identical():
     averager = tp.GradAverager(2)
