@@ -69,6 +69,25 @@ def drafter_flops_per_step(c, n_feat_layers, draft_layers, rows, length, anchors
     return layers + context + head
 
 
+def attention_pairs(anchors, doc_ids, block):
+    """(query, key) pairs the drafter's attention mask lets through: each of a block's slots sees
+    its anchor's document up to the anchor, and its own block."""
+    return int(((anchors - dm.context_starts(anchors, doc_ids)) + block).sum()) * block
+
+
+def drafter_attention_flops_per_step(dcfg, batch, anchors, block, draws=8):
+    """Attention FLOPs a step on the pairs the mask lets through (not the tiles flex_attention
+    computes): Q K^T and P V, forward and twice that backward, averaged over a few anchor draws
+    of the batch. Reported beside the brief's MFU, which excludes attention, never inside it."""
+    doc, mask = batch["doc_ids"].cpu(), batch["loss_mask"].cpu()
+    g = torch.Generator().manual_seed(0)
+    pairs = 0.0
+    for _ in range(draws):
+        chosen, _ = dm.DFlashDraftModel.select_anchors(None, torch.rand(doc.shape, generator=g), mask, doc, anchors)
+        pairs += attention_pairs(chosen, doc, block) / draws
+    return 3 * 4 * dcfg.num_attention_heads * dcfg.head_dim * pairs * dcfg.num_hidden_layers
+
+
 FORMULA = ("target: 2 * linear_params_per_layer * layers_run per token; drafter per step: "
            "6 * draft_layer_params * P + (4 * n*H*H + 12 * H*kv_dim * layers) * T + 4 * H * V * P * (block-1)/block, "
            "P = rows*anchors*block draft positions, T = rows*max_length context tokens; attention excluded")

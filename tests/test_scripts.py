@@ -451,3 +451,16 @@ def test_recipe_regenerate_train_evaluate_from_the_command_line(tmp_path, tiny_m
     r = run("scripts/compare_runs.py", str(bare), "--out", str(tmp_path / "bare.png"))
     assert r.returncode == 0 and os.path.getsize(tmp_path / "bare.png") > 10_000, r.stderr[-2000:]
     assert r.stdout.splitlines()[1].split()[-3:] == ["-", "-", "-"]  # nothing measured, none invented
+
+
+def test_benchmark_counts_the_attention_pairs_the_mask_lets_through():
+    # The benchmark's attention FLOPs (reported beside MFU) count (query, key) pairs by a formula;
+    # the dense mask, built from the rule itself, is the independent count.
+    from scripts import benchmark as bm
+    doc = torch.tensor([[0] * 10 + [1] * 20 + [2] * 6, [0] * 30 + [-1] * 6])
+    mask = torch.ones(2, 36)
+    mask[1, 30:] = 0
+    for seed in range(3):
+        noise = torch.rand(doc.shape, generator=torch.Generator().manual_seed(seed))
+        anchors, _ = dm.DFlashDraftModel.select_anchors(None, noise, mask, doc, 5)
+        assert bm.attention_pairs(anchors, doc, 4) == int(dm.dense_block_mask(anchors, doc, 4).sum())
