@@ -237,7 +237,10 @@ def profile_kernels(step, device, path, report, steps=3):
         for s in range(steps):
             step(10 + s)
         torch.cuda.synchronize(device)
-    kernels = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
+    # Not the annotated ranges on the GPU's timeline (the optimizer's step, "Optimizer.step#AdamW.step"):
+    # their kernels are counted already
+    kernels = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA
+               and not getattr(e, "is_user_annotation", False) and not e.key.startswith("Optimizer.")]
     time_of = lambda e: getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0)
     total = sum(time_of(e) for e in kernels) or 1
     by_cat = {}
