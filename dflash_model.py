@@ -270,11 +270,12 @@ def ordered_blocks(blocks):
 
 def block_mask_of_tiles(partial, full, mask_mod, seq_lengths, tile=128):
     """flex_attention's BlockMask from [B, H, query tiles, key tiles] maps of the tiles where
-    mask_mod decides (partial) and those wholly visible (full); other tiles are skipped."""
+    mask_mod decides (partial) and those wholly visible (full); other tiles are skipped. tile:
+    one size, or (query tile, key tile)."""
     from torch.nn.attention.flex_attention import BlockMask
     kv_num, kv_idx = ordered_blocks(partial)
     full_num, full_idx = ordered_blocks(full)
-    return BlockMask.from_kv_blocks(kv_num, kv_idx, full_num, full_idx, BLOCK_SIZE=(tile, tile), mask_mod=mask_mod,
+    return BlockMask.from_kv_blocks(kv_num, kv_idx, full_num, full_idx, BLOCK_SIZE=tile, mask_mod=mask_mod,
                                     seq_lengths=seq_lengths, compute_q_blocks=False)
 
 
@@ -283,19 +284,21 @@ def flex_block_mask(starts, anchors, seq_len, block_size, mask_mod, tile=128):
     anchors [B, A] (seq_len context keys), without evaluating it at every (query, key) pair: all
     slots of a block see the same keys, so the rule is evaluated once per block (first slot) and
     per-tile counts follow from how blocks overlap query tiles. At the benchmark's shapes:
-    [4, 512, 11264] evaluations instead of [4, 8192, 11264], and no argsort."""
+    [4, 512, 11264] evaluations instead of [4, 8192, 11264], and no argsort. tile: one size, or
+    (query tile, key tile)."""
     B, A = anchors.shape
     Q, KV = A * block_size, seq_len + A * block_size
-    n_q, n_kv = -(-Q // tile), -(-KV // tile)
-    seen = visible_keys(starts, anchors, seq_len, block_size, n_kv * tile)  # [B, A, n_kv * tile]
-    keys_per_tile = seen.view(B, A, n_kv, tile).sum(-1, dtype=torch.int32)  # [B, A, n_kv]
-    tile_start = torch.arange(n_q, device=anchors.device)[:, None] * tile
+    q_tile, kv_tile = (tile, tile) if isinstance(tile, int) else tile
+    n_q, n_kv = -(-Q // q_tile), -(-KV // kv_tile)
+    seen = visible_keys(starts, anchors, seq_len, block_size, n_kv * kv_tile)  # [B, A, n_kv * kv_tile]
+    keys_per_tile = seen.view(B, A, n_kv, kv_tile).sum(-1, dtype=torch.int32)  # [B, A, n_kv]
+    tile_start = torch.arange(n_q, device=anchors.device)[:, None] * q_tile
     block_start = torch.arange(A, device=anchors.device) * block_size
-    queries = (torch.minimum(tile_start + tile, block_start + block_size)
+    queries = (torch.minimum(tile_start + q_tile, block_start + block_size)
                - torch.maximum(tile_start, block_start)).clamp(min=0)       # [n_q, A]: block's queries in tile
     # (query, key) pairs visible per tile, in integers: a matmul would run in bf16 under autocast
     pairs = (queries.int()[None, :, :, None] * keys_per_tile[:, None]).sum(2)[:, None]  # [B, 1, n_q, n_kv]
-    full = pairs == tile * tile
+    full = pairs == q_tile * kv_tile
     partial = (pairs > 0) & ~full
     mask = block_mask_of_tiles(partial, full, mask_mod, (Q, KV), tile)
     # flex's backward kernel reads q indices with unit stride along the last dim: contiguous

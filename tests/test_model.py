@@ -79,11 +79,12 @@ BLOCK_MASK_FIELDS = ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_
                      "q_num_blocks", "q_indices", "full_q_num_blocks", "full_q_indices")
 
 
-@pytest.mark.parametrize("B,L,A,bs", [(2, 3072, 512, 16), (1, 1000, 100, 16), (2, 128, 16, 4), (2, 700, 37, 10),
-                                      (1, 300, 20, 7)])
-def test_flex_block_mask_equals_create_block_mask(B, L, A, bs):
-    # Shapes where query/key lengths are and are not multiples of the 128 tile, blocks that do
-    # not divide it, several documents and padding (-1), full and partial tiles.
+@pytest.mark.parametrize("B,L,A,bs,tile", [(2, 3072, 512, 16, 128), (1, 1000, 100, 16, 128), (2, 128, 16, 4, 128),
+                                           (2, 700, 37, 10, 128), (1, 300, 20, 7, 128), (2, 3072, 512, 16, (128, 64)),
+                                           (2, 700, 37, 10, (64, 128))])
+def test_flex_block_mask_equals_create_block_mask(B, L, A, bs, tile):
+    # Shapes where query/key lengths are and are not multiples of the tile, blocks that do not
+    # divide it, several documents and padding (-1), full and partial tiles; square tiles and not.
     from torch.nn.attention.flex_attention import create_block_mask
     g = torch.Generator().manual_seed(L)
     doc = torch.zeros(B, L, dtype=torch.long)
@@ -95,9 +96,9 @@ def test_flex_block_mask_equals_create_block_mask(B, L, A, bs):
     anchors = torch.sort(torch.rand(B, L, generator=g).topk(A, dim=1).indices, dim=1).values
     starts = dm.context_starts(anchors, doc)
     mask_mod = dm.block_mask_mod(starts, anchors, L, bs)
-    want = create_block_mask(mask_mod, B, None, A * bs, L + A * bs, device="cpu")
+    want = create_block_mask(mask_mod, B, None, A * bs, L + A * bs, device="cpu", BLOCK_SIZE=tile)
     with torch.autocast("cpu", dtype=torch.bfloat16):  # as in the training step: counts must stay exact
-        got = dm.flex_block_mask(starts, anchors, L, bs, mask_mod)
+        got = dm.flex_block_mask(starts, anchors, L, bs, mask_mod, tile)
     assert (got.seq_lengths, got.BLOCK_SIZE) == (want.seq_lengths, want.BLOCK_SIZE)
     for f in BLOCK_MASK_FIELDS:  # values, and the layout flex's Triton kernels assume (contiguous)
         assert torch.equal(getattr(got, f), getattr(want, f)), f

@@ -7,8 +7,10 @@ Qwen3-8B shapes (4 rows x 3072 tokens, 512 anchors x block 16, 32 heads / 8 KV h
               first position of the anchor's document and the anchor
   split       flex_attention over the context keys only (bounds rule), the block's own 16 keys
               as a dense batched attention, the two merged by their log-sum-exp
+  bounds_safe bounds with ROWS_GUARANTEED_SAFE (every block query sees at least its own block)
+  bounds_kv64 bounds over 128-query x 64-key tiles (kernel blocks of 64 keys to match)
 
-    python scripts/experiments/drafter_attention_variants.py [--variants doc_gather,bounds,split]
+    python scripts/experiments/drafter_attention_variants.py [--variants bounds,bounds_safe,...]
 
 Prints per variant: ms forward, ms forward+backward, and the largest difference of output and
 q/k/v gradients from the first variant's (bf16)."""
@@ -46,9 +48,9 @@ def variants(c, options):
         ctx_ok = (kv_idx < anchor) & (c.doc[b, kv_idx.clamp(max=L - 1)] == c.doc[b, anchor])
         return torch.where(kv_idx < L, ctx_ok, (kv_idx - L) // bs == blk)
 
-    def whole(mask_mod):
-        mask = dm.flex_block_mask(starts, c.anchors, L, bs, mask_mod)
-        return lambda q, k, v: flex_attention(q, k, v, block_mask=mask, enable_gqa=True, kernel_options=options)
+    def whole(mask_mod, tile=128, kernel_options=options):
+        mask = dm.flex_block_mask(starts, c.anchors, L, bs, mask_mod, tile)
+        return lambda q, k, v: flex_attention(q, k, v, block_mask=mask, enable_gqa=True, kernel_options=kernel_options)
 
     context_mask = create_block_mask(bounds_mod, B, None, c.Q, L, device=c.q.device)  # context keys only
 
@@ -66,36 +68,50 @@ def variants(c, options):
         out = out_ctx.float() * (lse_ctx - lse).exp()[..., None] + out_blk * (lse_blk - lse).exp()[..., None]
         return out.to(q.dtype)
 
-    return {"doc_gather": whole(doc_gather_mod), "bounds": whole(bounds_mod), "split": split}
+    # 64-key tiles: fewer visible-nothing halves computed; the backward's key blocks must divide 64
+    kv64_options = {**(options or {}), "bwd_BLOCK_N1": 64, "bwd_BLOCK_M2": 64, "bwd_BLOCK_M1": 64, "bwd_BLOCK_N2": 64,
+                    "fwd_BLOCK_N": 64}
+    return {"doc_gather": whole(doc_gather_mod), "bounds": whole(bounds_mod), "split": split,
+            "bounds_safe": whole(bounds_mod, kernel_options={**(options or {}), "ROWS_GUARANTEED_SAFE": True}),
+            "bounds_kv64": whole(bounds_mod, (128, 64), kv64_options)}
 
 
 def main():
     p = argparse.ArgumentParser()
-    p.add_argument("--variants", default="doc_gather,bounds,split")
+    p.add_argument("--variants", default="bounds,bounds_safe,bounds_kv64,doc_gather,split")
     p.add_argument("--iters", type=int, default=20)
     a = p.parse_args()
     c = drafter_attention_case("cuda")
     attend = variants(c, dm.flex_kernel_options(torch.device("cuda"), D))
     want = None
     for name in a.variants.split(","):
-        fn = torch.compile(attend[name], dynamic=False)
-        forward = lambda: fn(c.q, c.k, c.v)  # noqa: E731
+        try:
+            want = measure(name, attend[name], c, a.iters, want)
+        except Exception as e:  # a kernel setting with no valid config: report it, go on
+            print(f"{name:10s}: failed: {repr(e)[:300]}", flush=True)
 
-        def forward_backward():
-            c.q.grad = c.k.grad = c.v.grad = None
-            out = forward()
-            out.backward(c.gout)
-            return out
-        t0 = time.perf_counter()
-        got = [forward_backward().detach(), c.q.grad, c.k.grad, c.v.grad]
-        torch.cuda.synchronize()
-        compile_s = time.perf_counter() - t0
-        fwd, both = (time_cuda(f, a.iters, "cuda", warmup=3) * 1e3 for f in (forward, forward_backward))
-        want = want or got
-        diff = " ".join(f"{n} {(x.float() - y.float()).abs().max().item():.3g}"
-                        for n, x, y in zip(("out", "dq", "dk", "dv"), got, want))
-        print(f"{name:10s}: forward {fwd:.2f} ms, forward+backward {both:.2f} ms (backward {both - fwd:.2f}); "
-              f"compile {compile_s:.0f} s; max |diff| vs first: {diff}", flush=True)
+
+def measure(name, attend, c, iters, want):
+    """Times one variant and compares it with want (the first variant's outputs); returns want."""
+    fn = torch.compile(attend, dynamic=False)
+    forward = lambda: fn(c.q, c.k, c.v)  # noqa: E731
+
+    def forward_backward():
+        c.q.grad = c.k.grad = c.v.grad = None
+        out = forward()
+        out.backward(c.gout)
+        return out
+    t0 = time.perf_counter()
+    got = [forward_backward().detach(), c.q.grad, c.k.grad, c.v.grad]
+    torch.cuda.synchronize()
+    compile_s = time.perf_counter() - t0
+    fwd, both = (time_cuda(f, iters, "cuda", warmup=3) * 1e3 for f in (forward, forward_backward))
+    want = want or got
+    diff = " ".join(f"{n} {(x.float() - y.float()).abs().max().item():.3g}"
+                    for n, x, y in zip(("out", "dq", "dk", "dv"), got, want))
+    print(f"{name:10s}: forward {fwd:.2f} ms, forward+backward {both:.2f} ms (backward {both - fwd:.2f}); "
+          f"compile {compile_s:.0f} s; max |diff| vs first: {diff}", flush=True)
+    return want
 
 
 if __name__ == "__main__":
