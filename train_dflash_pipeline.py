@@ -187,7 +187,9 @@ def check_args(args):
         raise UsageError(f"--data-workers {args.data_workers} must be 0 (one per CPU core) or more")
     if not 0 < args.decay_ratio <= 1:
         raise UsageError(f"--decay-ratio {args.decay_ratio} must be in (0, 1]")
-    for name in ("lr", "epochs", "log_interval", "save_interval", "queue_depth", "ce_chunk_size", "regen_batch_size"):
+    # grad_clip 0 would scale every update to nothing
+    for name in ("lr", "epochs", "log_interval", "save_interval", "queue_depth", "ce_chunk_size", "regen_batch_size",
+                 "grad_clip"):
         if getattr(args, name) <= 0:
             raise UsageError(f"--{name.replace('_', '-')} must be positive")
 

@@ -539,6 +539,12 @@ def test_the_gpu_demo_regenerates_regen_batch_size_rows_at_a_time(monkeypatch, t
         tp.check_args(tp.build_parser().parse_args(["--regen-batch-size", "0"]))
 
 
+def test_a_grad_clip_of_zero_is_refused():
+    # It would scale every update to nothing (the clip divides by norm / clip on CUDA).
+    with pytest.raises(tp.UsageError, match="--grad-clip must be positive"):
+        tp.check_args(tp.build_parser().parse_args(["--grad-clip", "0"]))
+
+
 def test_validation_documents_are_held_out_and_scored_beside_training(tmp_path, tiny_model_dir):
     data = write_jsonl(tmp_path / "d.jsonl", chat_rows(60))
     r = run_cli(tmp_path, tiny_model_dir, data, "--target-gpus", "cpu", "--drafter-gpus", "cpu", "--max-steps", "6",
