@@ -240,12 +240,11 @@ def visible_keys(starts, anchors, seq_len, block_size, num_keys):
     """[B, A, num_keys]: the keys each block may attend to. Every slot of a block sees the same
     keys (its anchor's context, then its own block), so one query per block decides; keys past
     the last block (padding to whole tiles) are seen by none."""
-    A, L = anchors.shape[1], seq_len
-    first_slot = torch.arange(A, device=anchors.device)[:, None] * block_size
+    first_slot = torch.arange(anchors.shape[1], device=anchors.device)[:, None] * block_size
     kv = torch.arange(num_keys, device=anchors.device)[None, :]
     # vmap over rows, not a Python loop: a loop traced into the compiled step grows with the
     # rows (at 4096 rows tracing alone had not finished after 140 s on the H200 machine)
-    one_row = lambda row_starts, row_anchors: block_visible(first_slot, kv, row_starts, row_anchors, L, block_size)
+    one_row = lambda row_starts, row_anchors: block_visible(first_slot, kv, row_starts, row_anchors, seq_len, block_size)
     return torch.vmap(one_row)(starts, anchors)
 
 
@@ -445,7 +444,7 @@ def ce_rows(logits, labels, with_grad, block=None, num_warps=None):
 
 def _head_ce_chunk_triton(hidden, weight, labels, with_grad, **config):
     """_head_ce_chunk's contract, its reductions in ce_rows."""
-    logits = (hidden.to(weight.dtype) @ weight.t()).contiguous()
+    logits = hidden.to(weight.dtype) @ weight.t()
     ce, correct = ce_rows(logits, labels.contiguous(), with_grad, **config)
     return ce, correct, (logits @ weight).to(hidden.dtype) if with_grad else None
 
@@ -568,7 +567,8 @@ class DFlashDraftModel(nn.Module):
 
     # --- training ---------------------------------------------------------------------------
 
-    def select_anchors(self, anchor_noise, loss_mask, doc_ids, num_anchors):
+    @staticmethod
+    def select_anchors(anchor_noise, loss_mask, doc_ids, num_anchors):
         """A fixed number of anchors per row among positions a with loss_mask[a] and
         loss_mask[a+1] in one document; extra draws when too few are valid get valid=False.
         Fixed shapes and no host sync: top-k of masked random scores, then sorted."""

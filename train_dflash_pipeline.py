@@ -1276,7 +1276,7 @@ class DrafterWorker:
         # foreach one (docs/benchmarks.md, third session); capturable, so it lives in the graph.
         self.optimizer = torch.optim.AdamW(params, lr=self.lr, weight_decay=args.weight_decay,
                                            **(dict(fused=True, capturable=True) if cuda else dict(foreach=True)))
-        if cuda:  # the fused kernel divides each gradient by it as it reads it: clipping needs no pass of its own
+        if cuda:  # the fused kernel divides each gradient by it as it reads it: the clip needs no pass of its own
             self.optimizer.grad_scale = torch.ones((), device=device)
         self.generator = torch.Generator(device=device)
         if args.compile:
@@ -1319,10 +1319,11 @@ class DrafterWorker:
 
     def clip_and_update(self):
         grad_norm = self.flat_grad.norm()
-        if self.device.type == "cuda":
-            torch.clamp((grad_norm + 1e-6) / self.args.grad_clip, min=1.0, out=self.optimizer.grad_scale)
+        clip = torch.clamp(self.args.grad_clip / (grad_norm + 1e-6), max=1.0)
+        if self.optimizer.defaults["fused"]:
+            torch.reciprocal(clip, out=self.optimizer.grad_scale)
         else:
-            self.flat_grad.mul_(torch.clamp(self.args.grad_clip / (grad_norm + 1e-6), max=1.0))
+            self.flat_grad.mul_(clip)
         self.optimizer.step()
         return grad_norm
 

@@ -83,7 +83,7 @@ def drafter_attention_flops_per_step(dcfg, batch, anchors, block, draws=8):
     g = torch.Generator().manual_seed(0)
     pairs = 0.0
     for _ in range(draws):
-        chosen, _ = dm.DFlashDraftModel.select_anchors(None, torch.rand(doc.shape, generator=g), mask, doc, anchors)
+        chosen, _ = dm.DFlashDraftModel.select_anchors(torch.rand(doc.shape, generator=g), mask, doc, anchors)
         pairs += attention_pairs(chosen, doc, block) / draws
     return 3 * 4 * dcfg.num_attention_heads * dcfg.head_dim * pairs * dcfg.num_hidden_layers
 

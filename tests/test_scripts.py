@@ -462,5 +462,5 @@ def test_benchmark_counts_the_attention_pairs_the_mask_lets_through():
     mask[1, 30:] = 0
     for seed in range(3):
         noise = torch.rand(doc.shape, generator=torch.Generator().manual_seed(seed))
-        anchors, _ = dm.DFlashDraftModel.select_anchors(None, noise, mask, doc, 5)
+        anchors, _ = dm.DFlashDraftModel.select_anchors(noise, mask, doc, 5)
         assert bm.attention_pairs(anchors, doc, 4) == int(dm.dense_block_mask(anchors, doc, 4).sum())

@@ -25,7 +25,7 @@ def main():
     weight = (torch.randn(V, H, generator=g) * 0.05).to("cuda", torch.bfloat16)
     labels = torch.randint(0, V, (N,), generator=g).to("cuda")
     labels[: N // 2] = (hidden.float() @ weight.float().t())[: N // 2].argmax(-1)  # some argmax hits
-    inductor = torch.compile(dm._head_ce_chunk, dynamic=False)
+    inductor = dm.compiled(dm._head_ce_chunk)
     want = inductor(hidden, weight, labels, True)
     got = dm._head_ce_chunk_triton(hidden, weight, labels, True)
     print(f"ce max |diff| {(got[0] - want[0]).abs().max().item():.3g} (ce up to {want[0].abs().max().item():.3g}); "

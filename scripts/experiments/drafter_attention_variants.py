@@ -76,21 +76,6 @@ def variants(c, options):
             "bounds_kv64": whole(bounds_mod, (128, 64), kv64_options)}
 
 
-def main():
-    p = argparse.ArgumentParser()
-    p.add_argument("--variants", default="bounds,bounds_safe,bounds_kv64,doc_gather,split")
-    p.add_argument("--iters", type=int, default=20)
-    a = p.parse_args()
-    c = drafter_attention_case("cuda")
-    attend = variants(c, dm.flex_kernel_options(torch.device("cuda"), D))
-    want = None
-    for name in a.variants.split(","):
-        try:
-            want = measure(name, attend[name], c, a.iters, want)
-        except Exception as e:  # a kernel setting with no valid config: report it, go on
-            print(f"{name:10s}: failed: {repr(e)[:300]}", flush=True)
-
-
 def measure(name, attend, c, iters, want):
     """Times one variant and compares it with want (the first variant's outputs); returns want."""
     fn = torch.compile(attend, dynamic=False)
@@ -112,6 +97,21 @@ def measure(name, attend, c, iters, want):
     print(f"{name:10s}: forward {fwd:.2f} ms, forward+backward {both:.2f} ms (backward {both - fwd:.2f}); "
           f"compile {compile_s:.0f} s; max |diff| vs first: {diff}", flush=True)
     return want
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--variants", default="bounds,bounds_safe,bounds_kv64,doc_gather,split")
+    p.add_argument("--iters", type=int, default=20)
+    a = p.parse_args()
+    c = drafter_attention_case("cuda")
+    attend = variants(c, dm.flex_kernel_options(torch.device("cuda"), D))
+    want = None
+    for name in a.variants.split(","):
+        try:
+            want = measure(name, attend[name], c, a.iters, want)
+        except Exception as e:  # a kernel setting with no valid config: report it, go on
+            print(f"{name:10s}: failed: {repr(e)[:300]}", flush=True)
 
 
 if __name__ == "__main__":
