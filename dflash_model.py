@@ -25,6 +25,12 @@ from torch import nn
 from transformers import Qwen3Config
 from transformers.models.qwen3.modeling_qwen3 import Qwen3RotaryEmbedding
 
+try:  # comes with torch's CUDA builds; the CUDA kernels below need it, CPUs run torch's paths
+    import triton
+    import triton.language as tl
+except ImportError:
+    triton = None
+
 # -----------------------------------------------------------------------------
 # Config
 
@@ -354,6 +360,265 @@ def flex_attend(anchors, doc_ids, block_size):
     return attend
 
 
+# The same rule as Triton kernels (CUDA; attention="triton", the pipeline's --drafter-attention
+# triton): as fast as flex_attention in the whole step, with no block mask to build
+# (docs/benchmarks.md, twenty-second session). A program takes one block and one KV head, with
+# the block's slots for every query head sharing that KV head as its rows (heads x slots: 4 x 16
+# at Qwen3-8B's shapes), and runs over exactly the keys those rows see: the context range
+# [start, anchor), then the block's own keys. No mask tiles, no mask_mod per element, and keys
+# are read once per KV head. The backward takes a block's own keys' gradients in that block's
+# program (no other block sees them), and the context keys' in a program per tile of keys, over
+# the run of blocks that may see it: anchors are sorted, and so are their documents' starts.
+BLOCK_ATTENTION_CONFIG = {"fwd_keys": 64, "fwd_warps": 4, "fwd_stages": 3,
+                          "bwd_keys": 64, "bwd_warps": 4, "bwd_stages": 2}
+LOG2E = 1.4426950408889634
+
+if triton is not None:
+    @triton.jit
+    def _block_rows(blk, kvh, G: tl.constexpr, BS: tl.constexpr, BLOCK_M: tl.constexpr):
+        """(row ok, query head, query position) of a program's rows: the G heads x BS slots of block blk."""
+        rows = tl.arange(0, BLOCK_M)
+        return rows < G * BS, kvh * G + rows // BS, blk * BS + rows % BS
+
+    @triton.jit
+    def _key_tile(k_head, v_head, keys, key_ok, sks, svs, d):
+        kt = tl.load(k_head + keys[:, None] * sks + d[None, :], mask=key_ok[:, None], other=0.0)
+        vt = tl.load(v_head + keys[:, None] * svs + d[None, :], mask=key_ok[:, None], other=0.0)
+        return kt, vt
+
+    @triton.jit
+    def _softmax_update(qt, kt, vt, key_ok, m, l_sum, acc, qk_scale):
+        """One tile of keys into the running max m, sum l_sum and output acc (base 2)."""
+        s = tl.where(key_ok[None, :], tl.dot(qt, tl.trans(kt)) * qk_scale, float("-inf"))
+        m_new = tl.maximum(m, tl.max(s, 1))
+        p = tl.exp2(s - m_new[:, None])
+        alpha = tl.exp2(m - m_new)
+        return m_new, l_sum * alpha + tl.sum(p, 1), acc * alpha[:, None] + tl.dot(p.to(vt.dtype), vt)
+
+    @triton.jit
+    def _score_grads(qt, do_t, kt, vt, key_ok, row_ok, row_lse, row_delta, qk_scale):
+        """(probabilities, d loss / d scaled scores) of rows x one tile of keys."""
+        p = tl.exp2(tl.dot(qt, tl.trans(kt)) * qk_scale - row_lse[:, None])
+        p = tl.where(key_ok[None, :] & row_ok[:, None], p, 0.0)
+        return p, p * (tl.dot(do_t, tl.trans(vt)) - row_delta[:, None])
+
+    @triton.jit
+    def _block_attention_fwd(q, k, v, out, lse, starts, anchors,
+                             sqb, sqh, sqs, skb, skh, sks, svb, svh, svs, sob, soh, sos,
+                             A, L, NKV, qk_scale,
+                             G: tl.constexpr, BS: tl.constexpr, D: tl.constexpr,
+                             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_B: tl.constexpr):
+        blk, bh = tl.program_id(0), tl.program_id(1)
+        b, kvh = (bh // NKV).to(tl.int64), bh % NKV
+        row_ok, head, pos = _block_rows(blk, kvh, G, BS, BLOCK_M)
+        d = tl.arange(0, D)
+        q_rows = q + b * sqb + head.to(tl.int64) * sqh + pos * sqs
+        qt = tl.load(q_rows[:, None] + d[None, :], mask=row_ok[:, None], other=0.0)
+        k_head, v_head = k + b * skb + kvh * skh, v + b * svb + kvh * svh
+        start, end = tl.load(starts + b * A + blk), tl.load(anchors + b * A + blk)
+        m = tl.full((BLOCK_M,), float("-inf"), tl.float32)
+        l_sum = tl.zeros((BLOCK_M,), tl.float32)
+        acc = tl.zeros((BLOCK_M, D), tl.float32)
+        for n0 in range(start, end, BLOCK_N):  # the context keys it sees
+            keys = n0 + tl.arange(0, BLOCK_N)
+            kt, vt = _key_tile(k_head, v_head, keys, keys < end, sks, svs, d)
+            m, l_sum, acc = _softmax_update(qt, kt, vt, keys < end, m, l_sum, acc, qk_scale)
+        keys = tl.arange(0, BLOCK_B)  # then the block's own keys, after the L context keys
+        kt, vt = _key_tile(k_head, v_head, L + blk * BS + keys, keys < BS, sks, svs, d)
+        m, l_sum, acc = _softmax_update(qt, kt, vt, keys < BS, m, l_sum, acc, qk_scale)
+        o_rows = out + b * sob + head.to(tl.int64) * soh + pos * sos
+        tl.store(o_rows[:, None] + d[None, :], (acc / l_sum[:, None]).to(out.dtype.element_ty), mask=row_ok[:, None])
+        lse_rows = lse + (b * NKV * G + head) * (A * BS) + pos  # [B, H, Q], base 2, of the scaled scores
+        tl.store(lse_rows, m + tl.log2(l_sum), mask=row_ok)
+
+    @triton.jit
+    def _block_attention_bwd_block(q, k, v, out, dout, lse, delta, dq, dk, dv, starts, anchors,
+                                   sqb, sqh, sqs, skb, skh, sks, svb, svh, svs, sob, soh, sos,
+                                   sgb, sgh, sgs, sdqb, sdqh, sdqs, sdkb, sdkh, sdks, sdvb, sdvh, sdvs,
+                                   A, L, NKV, qk_scale, sm_scale,
+                                   G: tl.constexpr, BS: tl.constexpr, D: tl.constexpr,
+                                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_B: tl.constexpr):
+        # Per block: its rows' delta = rowsum(dout * out) (stored for the context-key kernel, which
+        # runs after), dq over every key it sees, and dk, dv of its own keys.
+        blk, bh = tl.program_id(0), tl.program_id(1)
+        b, kvh = (bh // NKV).to(tl.int64), bh % NKV
+        row_ok, head, pos = _block_rows(blk, kvh, G, BS, BLOCK_M)
+        head = head.to(tl.int64)
+        d = tl.arange(0, D)
+        qt = tl.load((q + b * sqb + head * sqh + pos * sqs)[:, None] + d[None, :], mask=row_ok[:, None], other=0.0)
+        do_t = tl.load((dout + b * sgb + head * sgh + pos * sgs)[:, None] + d[None, :], mask=row_ok[:, None], other=0.0)
+        ot = tl.load((out + b * sob + head * soh + pos * sos)[:, None] + d[None, :], mask=row_ok[:, None], other=0.0)
+        row_stat = (b * NKV * G + head) * (A * BS) + pos
+        row_delta = tl.sum(do_t.to(tl.float32) * ot.to(tl.float32), 1)
+        tl.store(delta + row_stat, row_delta, mask=row_ok)
+        row_lse = tl.load(lse + row_stat, mask=row_ok, other=0.0)
+        k_head, v_head = k + b * skb + kvh * skh, v + b * svb + kvh * svh
+        start, end = tl.load(starts + b * A + blk), tl.load(anchors + b * A + blk)
+        acc = tl.zeros((BLOCK_M, D), tl.float32)
+        for n0 in range(start, end, BLOCK_N):
+            keys = n0 + tl.arange(0, BLOCK_N)
+            kt, vt = _key_tile(k_head, v_head, keys, keys < end, sks, svs, d)
+            p, ds = _score_grads(qt, do_t, kt, vt, keys < end, row_ok, row_lse, row_delta, qk_scale)
+            acc += tl.dot(ds.to(kt.dtype), kt)
+        keys = tl.arange(0, BLOCK_B)
+        key_ok = keys < BS
+        own = L + blk * BS + keys
+        kt, vt = _key_tile(k_head, v_head, own, key_ok, sks, svs, d)
+        p, ds = _score_grads(qt, do_t, kt, vt, key_ok, row_ok, row_lse, row_delta, qk_scale)
+        acc += tl.dot(ds.to(kt.dtype), kt)
+        tl.store((dq + b * sdqb + head * sdqh + pos * sdqs)[:, None] + d[None, :],
+                 (acc * sm_scale).to(dq.dtype.element_ty), mask=row_ok[:, None])
+        own_dk = tl.dot(tl.trans(ds.to(qt.dtype)), qt) * sm_scale
+        own_dv = tl.dot(tl.trans(p.to(do_t.dtype)), do_t)
+        tl.store((dk + b * sdkb + kvh * sdkh + own * sdks)[:, None] + d[None, :], own_dk.to(dk.dtype.element_ty),
+                 mask=key_ok[:, None])
+        tl.store((dv + b * sdvb + kvh * sdvh + own * sdvs)[:, None] + d[None, :], own_dv.to(dv.dtype.element_ty),
+                 mask=key_ok[:, None])
+
+    @triton.jit
+    def _block_attention_bwd_context(q, k, v, dout, lse, delta, dk, dv, starts, anchors, first_block, end_block,
+                                     sqb, sqh, sqs, skb, skh, sks, svb, svh, svs, sgb, sgh, sgs,
+                                     sdkb, sdkh, sdks, sdvb, sdvh, sdvs,
+                                     A, L, NKV, NT, qk_scale, sm_scale,
+                                     G: tl.constexpr, BS: tl.constexpr, D: tl.constexpr,
+                                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+        # Per tile of context keys: dk, dv over the blocks [first_block, end_block) that may see it;
+        # which of their keys each sees is decided per (block, key) from start and anchor.
+        tile, bh = tl.program_id(0), tl.program_id(1)
+        b, kvh = (bh // NKV).to(tl.int64), bh % NKV
+        d = tl.arange(0, D)
+        keys = tile * BLOCK_N + tl.arange(0, BLOCK_N)
+        key_ok = keys < L
+        kt = tl.load((k + b * skb + kvh * skh + keys * sks)[:, None] + d[None, :], mask=key_ok[:, None], other=0.0)
+        vt = tl.load((v + b * svb + kvh * svh + keys * svs)[:, None] + d[None, :], mask=key_ok[:, None], other=0.0)
+        dk_acc = tl.zeros((BLOCK_N, D), tl.float32)
+        dv_acc = tl.zeros((BLOCK_N, D), tl.float32)
+        lo, hi = tl.load(first_block + b * NT + tile), tl.load(end_block + b * NT + tile)
+        for blk in range(lo, hi):
+            row_ok, head, pos = _block_rows(blk, kvh, G, BS, BLOCK_M)
+            head = head.to(tl.int64)
+            qt = tl.load((q + b * sqb + head * sqh + pos * sqs)[:, None] + d[None, :], mask=row_ok[:, None], other=0.0)
+            do_t = tl.load((dout + b * sgb + head * sgh + pos * sgs)[:, None] + d[None, :], mask=row_ok[:, None],
+                          other=0.0)
+            row_stat = (b * NKV * G + head) * (A * BS) + pos
+            row_lse = tl.load(lse + row_stat, mask=row_ok, other=0.0)
+            row_delta = tl.load(delta + row_stat, mask=row_ok, other=0.0)
+            start, end = tl.load(starts + b * A + blk), tl.load(anchors + b * A + blk)
+            seen = (keys >= start) & (keys < end)
+            pT = tl.exp2(tl.dot(kt, tl.trans(qt)) * qk_scale - row_lse[None, :])  # [keys, rows]
+            pT = tl.where(seen[:, None] & row_ok[None, :], pT, 0.0)
+            dv_acc += tl.dot(pT.to(do_t.dtype), do_t)
+            dsT = pT * (tl.dot(vt, tl.trans(do_t)) - row_delta[None, :])
+            dk_acc += tl.dot(dsT.to(qt.dtype), qt)
+        tl.store((dk + b * sdkb + kvh * sdkh + keys * sdks)[:, None] + d[None, :], (dk_acc * sm_scale).to(dk.dtype.element_ty),
+                 mask=key_ok[:, None])
+        tl.store((dv + b * sdvb + kvh * sdvh + keys * sdvs)[:, None] + d[None, :], dv_acc.to(dv.dtype.element_ty),
+                 mask=key_ok[:, None])
+
+
+def _block_attention_shapes(q, k, anchors, block_size):
+    B, H, Q, D = q.shape
+    A, NKV = anchors.shape[1], k.shape[1]
+    if Q != A * block_size or H % NKV or D < 16 or D & (D - 1):
+        raise ValueError(f"block attention: q {tuple(q.shape)}, k {tuple(k.shape)}, {A} blocks of {block_size}")
+    G = H // NKV
+    return B, H, Q, D, A, NKV, G, k.shape[2] - Q, max(16, triton.next_power_of_2(G * block_size))
+
+
+def _strides3(t):  # (batch, head, position); the last dim must be unit-stride
+    return t.stride(0), t.stride(1), t.stride(2)
+
+
+def _unit_last(*ts):
+    return [t if t.stride(-1) == 1 else t.contiguous() for t in ts]
+
+
+@torch.library.custom_op("dflash::block_attention", mutates_args=())
+def _block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, starts: torch.Tensor,
+                     anchors: torch.Tensor, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    q, k, v = _unit_last(q, k, v)
+    B, H, Q, D, A, NKV, G, L, BLOCK_M = _block_attention_shapes(q, k, anchors, block_size)
+    c = BLOCK_ATTENTION_CONFIG
+    out = q.new_empty(B, Q, H, D).transpose(1, 2)  # the layout o_proj reads: [B, Q, H * D]
+    lse = torch.empty(B, H, Q, dtype=torch.float32, device=q.device)
+    _block_attention_fwd[(A, B * NKV)](
+        q, k, v, out, lse, starts, anchors, *_strides3(q), *_strides3(k), *_strides3(v), *_strides3(out),
+        A, L, NKV, D ** -0.5 * LOG2E, G=G, BS=block_size, D=D, BLOCK_M=BLOCK_M, BLOCK_N=c["fwd_keys"],
+        BLOCK_B=max(16, triton.next_power_of_2(block_size)), num_warps=c["fwd_warps"], num_stages=c["fwd_stages"])
+    return out, lse
+
+
+@_block_attention.register_fake
+def _(q, k, v, starts, anchors, block_size):
+    B, H, Q, D = q.shape
+    return q.new_empty(B, Q, H, D).transpose(1, 2), q.new_empty(B, H, Q, dtype=torch.float32)
+
+
+@torch.library.custom_op("dflash::block_attention_backward", mutates_args=())
+def _block_attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                              out: torch.Tensor, lse: torch.Tensor, starts: torch.Tensor, anchors: torch.Tensor,
+                              block_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    dout, q, k, v, out = _unit_last(dout, q, k, v, out)
+    B, H, Q, D, A, NKV, G, L, BLOCK_M = _block_attention_shapes(q, k, anchors, block_size)
+    c = BLOCK_ATTENTION_CONFIG
+    dq, dk, dv = q.new_empty(B, Q, H, D).transpose(1, 2), torch.empty_like(k), torch.empty_like(v)
+    delta = torch.empty_like(lse)
+    common = dict(G=G, BS=block_size, D=D, BLOCK_M=BLOCK_M, BLOCK_N=c["bwd_keys"], num_warps=c["bwd_warps"],
+                  num_stages=c["bwd_stages"])
+    _block_attention_bwd_block[(A, B * NKV)](
+        q, k, v, out, dout, lse, delta, dq, dk, dv, starts, anchors,
+        *_strides3(q), *_strides3(k), *_strides3(v), *_strides3(out), *_strides3(dout),
+        *_strides3(dq), *_strides3(dk), *_strides3(dv), A, L, NKV, D ** -0.5 * LOG2E, D ** -0.5,
+        BLOCK_B=max(16, triton.next_power_of_2(block_size)), **common)
+    # The blocks that may see a tile of keys [t, t + n): anchor > t (a suffix, anchors sorted) and
+    # start < t + n (a prefix, starts sorted with them).
+    NT = -(-L // c["bwd_keys"])
+    tile_first = (torch.arange(NT, device=q.device, dtype=anchors.dtype) * c["bwd_keys"]).expand(B, NT).contiguous()
+    first_block = torch.searchsorted(anchors, tile_first, right=True, out_int32=True)
+    end_block = torch.searchsorted(starts, tile_first + c["bwd_keys"], out_int32=True)
+    _block_attention_bwd_context[(NT, B * NKV)](
+        q, k, v, dout, lse, delta, dk, dv, starts, anchors, first_block, end_block,
+        *_strides3(q), *_strides3(k), *_strides3(v), *_strides3(dout), *_strides3(dk), *_strides3(dv),
+        A, L, NKV, NT, D ** -0.5 * LOG2E, D ** -0.5, **common)
+    return dq, dk, dv
+
+
+@_block_attention_backward.register_fake
+def _(dout, q, k, v, out, lse, starts, anchors, block_size):
+    B, H, Q, D = q.shape
+    return q.new_empty(B, Q, H, D).transpose(1, 2), torch.empty_like(k), torch.empty_like(v)
+
+
+def _block_attention_setup(ctx, inputs, output):
+    q, k, v, starts, anchors, ctx.block_size = inputs
+    ctx.save_for_backward(q, k, v, output[0], output[1], starts, anchors)
+
+
+def _block_attention_grads(ctx, grad_out, grad_lse):
+    q, k, v, out, lse, starts, anchors = ctx.saved_tensors
+    dq, dk, dv = _block_attention_backward(grad_out, q, k, v, out, lse, starts, anchors, ctx.block_size)
+    return dq, dk, dv, None, None, None
+
+
+_block_attention.register_autograd(_block_attention_grads, setup_context=_block_attention_setup)
+
+
+def block_attend(anchors, doc_ids, block_size):
+    """The rule by the Triton kernels above (CUDA with triton). q/k/v as DraftAttention hands
+    them over: doc_ids.shape[1] context keys, then the blocks'. The backward needs anchors sorted
+    per row, as select_anchors gives them."""
+    starts = context_starts(anchors, doc_ids).to(torch.int32).contiguous()
+    anchors = anchors.to(torch.int32).contiguous()
+
+    def attend(q, k, v):
+        # One dtype for the kernels' dots: under autocast the one SDPA would take (q and k come
+        # out of the fp32-weighted q/k-norm in fp32, v from its projection in bf16)
+        device = q.device.type
+        dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else q.dtype
+        return _block_attention(q.to(dtype), k.to(dtype), v.to(dtype), starts, anchors, block_size)[0]
+    return attend
+
+
 def full_attend(q, k, v):
     # Inference: the block sees its whole context (all of it lies before the anchor) and itself.
     return F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
@@ -388,13 +653,7 @@ def _head_ce_chunk(hidden, weight, labels, with_grad):
 
 # On CUDA the chunk's reductions are one Triton kernel: inductor's reads each row of logits about
 # six times, this one twice, writing the gradient once in bf16 over the logits themselves
-# (docs/benchmarks.md, twenty-first session). triton comes with torch's CUDA builds.
-try:
-    import triton
-    import triton.language as tl
-except ImportError:
-    triton = None
-
+# (docs/benchmarks.md, twenty-first session).
 HEAD_CE_KERNEL = "triton"  # or "torch" (inductor's); scripts/benchmark.py --ce-kernel compares them
 CE_ROWS_BLOCK, CE_ROWS_WARPS = 2048, 8
 
@@ -587,7 +846,9 @@ class DFlashDraftModel(nn.Module):
         block_ids = torch.full((B, A, bs), self.mask_token_id, dtype=input_ids.dtype, device=input_ids.device)
         block_ids[:, :, 0] = input_ids.gather(1, anchors)
         block_pos = position_ids.gather(1, anchors)[:, :, None] + slot
-        if attention == "flex":
+        if attention == "triton":
+            attend = block_attend(anchors, doc_ids, bs)
+        elif attention == "flex":
             attend = flex_attend(anchors, doc_ids, bs)
         else:
             attend = sdpa_attend(dense_block_mask(anchors, doc_ids, bs))

@@ -69,14 +69,15 @@ def run_steps(worker, data, first_step=1):
     return torch.stack(losses).float().cpu()
 
 
-def test_flex_training_gradients_match_dense_sdpa():
-    # The GPU attention path (flex_attention over flex_block_mask; eager, and traced into the
-    # compiled step) against SDPA with the dense mask: loss and the whole flat gradient of one
-    # step, in bf16 autocast as in training. Catches a mask whose forward is right but whose
-    # backward reads the wrong blocks (the q indices the dK/dV kernel walks).
+def test_gpu_attention_training_gradients_match_dense_sdpa():
+    # The GPU attention paths (dm.block_attend's Triton kernels, and flex_attention over
+    # flex_block_mask; eager, and inside the compiled step) against SDPA with the dense mask: loss
+    # and the whole flat gradient of one step, in bf16 autocast as in training. Catches a mask whose
+    # forward is right but whose backward reads the wrong blocks.
     b = batches(1)[0]
     results = {}
-    for label, compile, attention in (("sdpa", False, "sdpa"), ("flex", False, "flex"), ("flex compiled", True, "flex")):
+    for label, compile, attention in (("sdpa", False, "sdpa"), ("flex", False, "flex"), ("flex compiled", True, "flex"),
+                                      ("triton", False, "triton"), ("triton compiled", True, "triton")):
         w = make_worker(compile=compile, attention=attention)
         inputs = [b[k] for k in tp.BATCH_KEYS] + [w.anchor_noise(1, torch.empty(ROWS, LENGTH, device="cuda"))]
         loss, _ = w.forward_backward(inputs)
@@ -309,6 +310,38 @@ def test_flex_block_mask_on_gpu_equals_create_block_mask_forward_and_backward():
         assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize("block_size,D", [(16, 128), (10, 64)])
+def test_triton_block_attention_as_close_to_fp32_as_flex(block_size, D):
+    # dm.block_attend's kernels in bf16 against the rule in fp32 (SDPA, dense mask), forward and
+    # the three gradients, as close as flex_attention in bf16 is: Qwen3-8B's heads (32 query,
+    # 8 KV: 4 x 16 rows a program) with three documents a row, padding, and a block at 0.
+    B, H, NKV, L, A = 2, 32, 8, 1000, 96
+    g = torch.Generator().manual_seed(3)
+    doc = torch.zeros(B, L, dtype=torch.long)
+    doc[:, 300:] = 1
+    doc[:, 700:] = 2
+    doc[:, -40:] = -1
+    anchors = torch.sort(torch.rand(B, L, generator=g).topk(A, dim=1).indices, dim=1).values
+    anchors[:, 0] = 0
+    anchors, doc = anchors.cuda(), doc.cuda()
+    q = torch.randn(B, A * block_size, H, D, generator=g).transpose(1, 2).cuda()
+    k, v = (torch.randn(B, NKV, L + A * block_size, D, generator=g).cuda() for _ in range(2))
+    grad_out = torch.randn(B, H, A * block_size, D, generator=g).cuda()
+
+    def run(attend, dtype):
+        x = [t.detach().to(dtype).requires_grad_() for t in (q, k, v)]
+        out = attend(*x)
+        out.backward(grad_out.to(dtype))
+        return [t.float() for t in (out, *(t.grad for t in x))]
+    want = run(dm.sdpa_attend(dm.dense_block_mask(anchors, doc, block_size)), torch.float32)
+    flex = run(dm.flex_attend(anchors, doc, block_size), torch.bfloat16)
+    ours = run(dm.block_attend(anchors, doc, block_size), torch.bfloat16)
+    for name, w, f, o in zip(("out", "dq", "dk", "dv"), want, flex, ours):
+        err_flex, err = ((f - w).norm() / w.norm()).item(), ((o - w).norm() / w.norm()).item()
+        print(f"{name}: relative error against fp32, flex {err_flex:.2e}, triton {err:.2e}")
+        assert err < 1.5 * err_flex + 1e-4 and err < 1e-2, name
+
+
 @pytest.mark.parametrize("D", [64, 128])
 def test_flex_backward_options_give_bitwise_the_same_gradients(D):
     # The backward block config flex_kernel_options picks on Hopper is a speed choice only:
@@ -446,21 +479,22 @@ def test_flex_target_stage_equals_dense_graphed_and_eager():
         check(fused, b)
 
 
-def test_validation_gains_batched_flex_equal_dense_sdpa_per_row():
-    # The validation's teacher-forced gains on the GPU path: rows batched as the validation batches
-    # them, flex_attention at the training step's anchor count, against SDPA's dense mask one row
-    # at a time. The attention path is what differs, so the block hidden states are compared (a
-    # random drafter's gains are mostly 1), then the gains.
+@pytest.mark.parametrize("attention", ["triton", "flex"])
+def test_validation_gains_batched_gpu_attention_equal_dense_sdpa_per_row(attention):
+    # The validation's teacher-forced gains on the GPU paths: rows batched as the validation batches
+    # them, at the training step's anchor count, against SDPA's dense mask one row at a time. The
+    # attention path is what differs, so the block hidden states are compared (a random drafter's
+    # gains are mostly 1), then the gains.
     b = batches(1)[0]
-    w = make_worker(compile=False, attention="flex")
+    w = make_worker(compile=False, attention=attention)
     feats, ids, loss_mask, doc_ids, pos = [b[k] for k in tp.BATCH_KEYS]
     anchors = torch.arange(0, LENGTH, LENGTH // 64, device="cuda").repeat(ROWS, 1)
     with torch.no_grad(), w.autocast():
-        flex = w.drafter.block_hidden(feats, ids, doc_ids, pos, anchors, "flex").float()
+        batched = w.drafter.block_hidden(feats, ids, doc_ids, pos, anchors, attention).float()
         dense = torch.cat([w.drafter.block_hidden(feats[r:r + 1], ids[r:r + 1], doc_ids[r:r + 1], pos[r:r + 1],
                                                   anchors[r:r + 1], "sdpa") for r in range(ROWS)]).float()
-    err = ((flex - dense).norm() / dense.norm()).item()
-    print(f"block hidden states, batched flex against per-row sdpa: relative error {err:.2e}")
+    err = ((batched - dense).norm() / dense.norm()).item()
+    print(f"block hidden states, batched {attention} against per-row sdpa: relative error {err:.2e}")
     assert err < 1e-2
     gains = w.accepted_lengths(feats, ids, loss_mask, doc_ids, pos)
     w.args.attention = "sdpa"

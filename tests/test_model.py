@@ -295,15 +295,58 @@ print("ok")
 """
 
 
-def test_triton_ce_kernel_matches_torch_chunk_interpreted():
-    # The CUDA path's LM-head reductions (dm.ce_rows), run by Triton's interpreter on the CPU
-    # against the torch chunk; tests/test_gpu.py runs it compiled.
+def run_interpreted(check):
+    """A check script (it prints ok) in a fresh interpreter under Triton's interpreter (set before
+    triton is imported)."""
     pytest.importorskip("triton")
     import subprocess, sys
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    out = subprocess.run([sys.executable, "-c", CE_ROWS_CHECK, root], env=dict(os.environ, TRITON_INTERPRET="1"),
+    out = subprocess.run([sys.executable, "-c", check, root], env=dict(os.environ, TRITON_INTERPRET="1"),
                          capture_output=True, text=True, timeout=300)
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-3000:]
+
+
+def test_triton_ce_kernel_matches_torch_chunk_interpreted():
+    # The CUDA path's LM-head reductions (dm.ce_rows), run by Triton's interpreter on the CPU
+    # against the torch chunk; tests/test_gpu.py runs it compiled.
+    run_interpreted(CE_ROWS_CHECK)
+
+
+BLOCK_ATTENTION_CHECK = """
+import sys, torch
+sys.path.insert(0, sys.argv[1])
+import dflash_model as dm
+torch.manual_seed(0)
+dm.BLOCK_ATTENTION_CONFIG.update(fwd_keys=16, bwd_keys=16)  # several key tiles a block at these lengths
+# (rows, query heads, KV heads, head_dim, context length, blocks, block size): heads x slots of
+# 16, 30 (padded to 32 rows) and 16 a program; a 16-slot block beside a 16-key tile
+for B, H, NKV, D, L, A, bs in ((2, 4, 2, 32, 40, 6, 8), (1, 6, 2, 16, 50, 5, 10), (1, 2, 2, 16, 33, 3, 16)):
+    doc = torch.zeros(B, L, dtype=torch.long)
+    doc[:, L // 3:] = 1
+    doc[:, L - 5:] = 2  # three documents a row, the last one short like padding
+    anchors = torch.sort(torch.rand(B, L).topk(A, dim=1).indices, dim=1).values
+    anchors[0, 0] = 0  # a block with no context at all
+    anchors = torch.sort(anchors, dim=1).values
+    q = torch.randn(B, A * bs, H, D).transpose(1, 2).requires_grad_()  # DraftAttention's layout
+    k, v = (torch.randn(B, NKV, L + A * bs, D).requires_grad_() for _ in range(2))
+    grad_out = torch.randn(B, H, A * bs, D)
+    results = []
+    for attend in (dm.sdpa_attend(dm.dense_block_mask(anchors, doc, bs)), dm.block_attend(anchors, doc, bs)):
+        q.grad = k.grad = v.grad = None
+        out = attend(q, k, v)
+        out.backward(grad_out)
+        results.append([out.detach(), q.grad, k.grad, v.grad])
+    for name, want, got in zip(("out", "dq", "dk", "dv"), *results):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4, msg=lambda m: f"{name} {(B, H, NKV, D, L, A, bs)}: {m}")
+print("ok")
+"""
+
+
+def test_triton_block_attention_matches_dense_mask_interpreted():
+    # The CUDA training attention (dm.block_attend's kernels: forward, the per-block and the
+    # per-key-tile backward), run by Triton's interpreter on the CPU in fp32 against SDPA under
+    # the dense mask of the same rule; tests/test_gpu.py runs it compiled, in bf16.
+    run_interpreted(BLOCK_ATTENTION_CHECK)
 
 
 def test_save_load_round_trip(tmp_path):
