@@ -96,6 +96,10 @@ def build_parser():
       help="the target stage's attention over packed documents: dense (transformers' SDPA under an [R, 1, L, L] "
       "mask) or flex (flex_attention under a document BlockMask: masked tiles skipped; same features); "
       "auto: flex on GPUs, dense on CPU")
+    a("--drafter-attention", choices=("auto", "triton", "flex", "sdpa"), default="auto",
+      help="the drafter's block attention in training: flex (flex_attention under a block mask), triton "
+      "(dflash_model's kernels, over exactly the keys each block sees; as fast in the whole step, docs/benchmarks.md) "
+      "or sdpa (a dense mask; CPU); auto: flex on GPUs, sdpa on CPU")
     a("--compile-target", action=argparse.BooleanOptionalAction, default=None,
       help="compile the target's decoder layers (inductor) before the stage is warmed up (and, with --compile, "
       "captured); same features. Default: on with --compile on GPUs")
@@ -1304,10 +1308,10 @@ class DrafterWorker:
 
     def accepted_lengths(self, *batch):
         a = self.args
-        # flex: the step's own shape (no new kernels to compile); sdpa (CPU): fewer, larger calls,
-        # each a dense mask of up to 4,096 block tokens over the batch's rows
+        # triton, flex: the step's own shape (no new kernels to compile); sdpa (CPU): fewer, larger
+        # calls, each a dense mask of up to 4,096 block tokens over the batch's rows
         rows = batch[1].shape[0]
-        chunk = a.num_anchors if a.attention == "flex" else max(a.num_anchors, 4096 // (a.block_size * rows))
+        chunk = a.num_anchors if a.attention != "sdpa" else max(a.num_anchors, 4096 // (a.block_size * rows))
         with self.autocast():
             return accepted_lengths_everywhere(self.drafter, *batch, chunk, a.ce_chunk_size, a.attention)
 
@@ -2900,7 +2904,11 @@ def resolve_settings(args):
         dm.check_target_layer_ids(args.layer_ids, tc.num_hidden_layers)
     except ValueError as e:
         raise UsageError(f"--target-layer-ids: {e}") from None
-    args.attention = "flex" if drafter_devices[0].type == "cuda" else "sdpa"
+    gpu = drafter_devices[0].type == "cuda"
+    if args.drafter_attention == "triton" and not (gpu and dm.triton is not None):
+        raise UsageError("--drafter-attention triton needs CUDA drafter GPUs and the triton package")
+    auto = "flex" if gpu else "sdpa"
+    args.attention = auto if args.drafter_attention == "auto" else args.drafter_attention
     return target_devices, drafter_devices, tc
 
 

@@ -102,7 +102,7 @@ def make_args(a, compile):
             "--ce-chunk-size", str(a.ce_chunk), "--log-interval", str(a.log_interval), "--save-interval", "1000000",
             "--output-dir", a.output_dir, "--eval-prompts", "0", "--queue-depth", "2"]
     args = tp.build_parser().parse_args(argv + (["--compile"] if compile else []))
-    args.attention = "flex"
+    args.attention = a.drafter_attention
     return args
 
 
@@ -215,6 +215,8 @@ def kernel_category(name):
         return "matmul (cuBLAS)"
     if "flex" in n or n.startswith("triton_tem"):
         return "flex_attention (triton templates)"
+    if "block_attention" in n:
+        return "block attention (dm's Triton kernels)"
     if "ce_rows" in n:
         return "LM-head CE reductions (dm.ce_rows)"
     if n.startswith(("triton_red", "triton_per")):
@@ -515,6 +517,8 @@ def main():
     p.add_argument("--ce-chunk", type=int, default=4096)
     p.add_argument("--ce-kernel", choices=("triton", "torch"), default=dm.HEAD_CE_KERNEL,
                    help="the LM-head chunk's reductions on CUDA: the Triton kernel or inductor's (dm.HEAD_CE_KERNEL)")
+    p.add_argument("--drafter-attention", choices=("flex", "triton"), default="flex",
+                   help="the drafter's block attention: flex_attention (the pipeline's default) or dflash_model's Triton kernels")
     p.add_argument("--target-attention", choices=("dense", "flex"), default="flex",
                    help="the target stage's attention in the sections after 'target' (which times both)")
     p.add_argument("--iters", type=int, default=10)
@@ -572,7 +576,7 @@ def main():
 
     report(f"# {time.strftime('%Y-%m-%d %H:%M')} {torch.cuda.get_device_name(0)} x{n_gpu}, torch {torch.__version__}")
     report(f"preset {a.preset}: batch {a.rows} x {a.max_length} tokens, {a.anchors} anchors/row x block {a.block}, "
-           f"{a.draft_layers} draft layers, target layers {layer_ids}, LM-head CE kernel {a.ce_kernel}; target on {target_devs}, drafter on {drafter_devs}")
+           f"{a.draft_layers} draft layers, target layers {layer_ids}, LM-head CE kernel {a.ce_kernel}, drafter attention {a.drafter_attention}; target on {target_devs}, drafter on {drafter_devs}")
     report(f"FLOPs: {FORMULA}")
     results = {"preset": a.preset, "rows": a.rows, "max_length": a.max_length}
     t_flops = target_flops_per_token(cfg, max(layer_ids) + 1)
@@ -584,9 +588,12 @@ def main():
     replica = build_target(cfg, target_dev, layer_ids, a.target_attention)
     embed = (torch.randn(cfg.vocab_size, cfg.hidden_size, device=drafter_dev) * 0.02).to(torch.bfloat16)
     head = (torch.randn(cfg.vocab_size, cfg.hidden_size, device=drafter_dev) * 0.02).to(torch.bfloat16)
+    dcfg = dm.make_drafter_config(cfg, cfg.vocab_size - 1, a.draft_layers, a.block)
     with torch.device("meta"):
-        n_params = dm.DFlashDraftModel(dm.make_drafter_config(cfg, cfg.vocab_size - 1, a.draft_layers, a.block)).num_parameters()
+        n_params = dm.DFlashDraftModel(dcfg).num_parameters()
     report(f"drafter params: {n_params / 1e9:.3f}B")
+    attn_flops = drafter_attention_flops_per_step(dcfg, synthetic_batch(a, cfg.vocab_size, "cpu"), a.anchors, a.block)
+    report(f"drafter attention (not in MFU): {attn_flops / 1e12:.2f} TFLOP/step on the (query, key) pairs its mask lets through")
 
     graphed = None  # the step section's captured worker: the beside and scaling sections reuse it
     if "step" not in skip:  # first: it compiles, and later sections reuse the compile caches
@@ -594,7 +601,8 @@ def main():
         st, graphed = drafter_step_times(a, cfg, drafter_dev, embed, head, features_dim, report)
         results["drafter"] = st
         for k, v in st.items():
-            report(f"  drafter {k}: {tokens / v['step_s']:,.0f} tokens/s, MFU {d_flops / v['step_s'] / PEAK_FLOPS:.1%}")
+            report(f"  drafter {k}: {tokens / v['step_s']:,.0f} tokens/s, MFU {d_flops / v['step_s'] / PEAK_FLOPS:.1%} "
+                   f"({(d_flops + attn_flops) / v['step_s'] / PEAK_FLOPS:.1%} counting attention)")
         if "eager" in st and "graph" in st:
             report(f"  compiled+graph vs eager: {st['eager']['step_s'] / st['graph']['step_s']:.2f}x; "
                    f"compiled vs eager {st['eager']['step_s'] / st['compiled']['step_s']:.2f}x")

@@ -697,3 +697,15 @@ def test_checkpoint_from_before_decay_ratio_resumes_its_recorded_schedule():
     plan = tp.plan_run(types.SimpleNamespace(**{**vars(args), "decay_ratio": 0.2}), {}, types.SimpleNamespace(batches_per_epoch=7),
                        1, state, said.append)
     assert plan.schedule["decay_batches"] == 20 and any("schedule changed" in s for s in said), said
+
+
+def test_drafter_attention_auto_is_sdpa_on_cpu_and_triton_refused(tiny_model_dir, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    args = tp.build_parser().parse_args(["--target-model", tiny_model_dir])
+    tp.resolve_settings(args)
+    assert args.attention == "sdpa"
+    args = tp.build_parser().parse_args(["--target-model", tiny_model_dir, "--drafter-attention", "flex"])
+    tp.resolve_settings(args)
+    assert args.attention == "flex"
+    with pytest.raises(tp.UsageError, match="--drafter-attention triton needs CUDA"):
+        tp.resolve_settings(tp.build_parser().parse_args(["--target-model", tiny_model_dir, "--drafter-attention", "triton"]))

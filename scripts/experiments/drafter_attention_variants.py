@@ -9,8 +9,11 @@ Qwen3-8B shapes (4 rows x 3072 tokens, 512 anchors x block 16, 32 heads / 8 KV h
               as a dense batched attention, the two merged by their log-sum-exp
   bounds_safe bounds with ROWS_GUARANTEED_SAFE (every block query sees at least its own block)
   bounds_kv64 bounds over 128-query x 64-key tiles (kernel blocks of 64 keys to match)
+  triton      dflash_model.block_attend: the Triton kernels over exactly the keys each block
+              sees, once per configuration in --triton-configs (dm.BLOCK_ATTENTION_CONFIG's
+              fwd_keys,fwd_warps,fwd_stages,bwd_keys,bwd_warps,bwd_stages; the first is the one in use)
 
-    python scripts/experiments/drafter_attention_variants.py [--variants bounds,bounds_safe,...]
+    python scripts/experiments/drafter_attention_variants.py [--variants bounds,triton,...]
 
 Prints per variant: ms forward, ms forward+backward, and the largest difference of output and
 q/k/v gradients from the first variant's (bf16)."""
@@ -73,7 +76,8 @@ def variants(c, options):
                     "fwd_BLOCK_N": 64}
     return {"doc_gather": whole(doc_gather_mod), "bounds": whole(bounds_mod), "split": split,
             "bounds_safe": whole(bounds_mod, kernel_options={**(options or {}), "ROWS_GUARANTEED_SAFE": True}),
-            "bounds_kv64": whole(bounds_mod, (128, 64), kv64_options)}
+            "bounds_kv64": whole(bounds_mod, (128, 64), kv64_options),
+            "triton": lambda q, k, v: dm.block_attend(c.anchors, c.doc, bs)(q, k, v)}
 
 
 def measure(name, attend, c, iters, want):
@@ -94,22 +98,31 @@ def measure(name, attend, c, iters, want):
     want = want or got
     diff = " ".join(f"{n} {(x.float() - y.float()).abs().max().item():.3g}"
                     for n, x, y in zip(("out", "dq", "dk", "dv"), got, want))
-    print(f"{name:10s}: forward {fwd:.2f} ms, forward+backward {both:.2f} ms (backward {both - fwd:.2f}); "
+    print(f"{name:12s}: forward {fwd:.2f} ms, forward+backward {both:.2f} ms (backward {both - fwd:.2f}); "
           f"compile {compile_s:.0f} s; max |diff| vs first: {diff}", flush=True)
     return want
 
 
 def main():
     p = argparse.ArgumentParser()
-    p.add_argument("--variants", default="bounds,bounds_safe,bounds_kv64,doc_gather,split")
+    p.add_argument("--variants", default="bounds,triton,bounds_safe,bounds_kv64")
+    in_use = ",".join(str(v) for v in dm.BLOCK_ATTENTION_CONFIG.values())
+    p.add_argument("--triton-configs", default=";".join([
+        in_use, "64,4,2,64,4,2", "128,4,2,64,4,2", "128,8,3,64,4,2", "32,4,3,64,4,2",
+        "64,4,3,64,4,3", "64,4,3,128,8,2", "64,4,3,32,4,2", "64,4,3,64,8,2", "64,4,3,128,4,2"]))
     p.add_argument("--iters", type=int, default=20)
     a = p.parse_args()
     c = drafter_attention_case("cuda")
     attend = variants(c, dm.flex_kernel_options(torch.device("cuda"), D))
     want = None
-    for name in a.variants.split(","):
+    runs = [(name, None) for name in a.variants.split(",") if name != "triton"]
+    if "triton" in a.variants.split(","):
+        runs[1:1] = [("triton", tuple(int(x) for x in cfg.split(","))) for cfg in a.triton_configs.split(";")]
+    for name, config in runs:
+        if config:
+            dm.BLOCK_ATTENTION_CONFIG.update(zip(dm.BLOCK_ATTENTION_CONFIG, config))
         try:
-            want = measure(name, attend[name], c, a.iters, want)
+            want = measure(name + (f" {config}" if config else ""), attend[name], c, a.iters, want)
         except Exception as e:  # a kernel setting with no valid config: report it, go on
             print(f"{name:10s}: failed: {repr(e)[:300]}", flush=True)
 
