@@ -369,8 +369,11 @@ def flex_attend(anchors, doc_ids, block_size):
 # are read once per KV head. The backward takes a block's own keys' gradients in that block's
 # program (no other block sees them), and the context keys' in a program per tile of keys, over
 # the run of blocks that may see it: anchors are sorted, and so are their documents' starts.
+# (keys a tile, warps, pipeline stages) of each kernel: the forward, the per-block backward and
+# the per-key-tile backward; chosen by scripts/experiments/drafter_attention_variants.py
 BLOCK_ATTENTION_CONFIG = {"fwd_keys": 64, "fwd_warps": 4, "fwd_stages": 3,
-                          "bwd_keys": 64, "bwd_warps": 4, "bwd_stages": 2}
+                          "dq_keys": 64, "dq_warps": 4, "dq_stages": 2,
+                          "dkdv_keys": 64, "dkdv_warps": 4, "dkdv_stages": 2}
 LOG2E = 1.4426950408889634
 
 if triton is not None:
@@ -563,23 +566,24 @@ def _block_attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tens
     c = BLOCK_ATTENTION_CONFIG
     dq, dk, dv = q.new_empty(B, Q, H, D).transpose(1, 2), torch.empty_like(k), torch.empty_like(v)
     delta = torch.empty_like(lse)
-    common = dict(G=G, BS=block_size, D=D, BLOCK_M=BLOCK_M, BLOCK_N=c["bwd_keys"], num_warps=c["bwd_warps"],
-                  num_stages=c["bwd_stages"])
     _block_attention_bwd_block[(A, B * NKV)](
         q, k, v, out, dout, lse, delta, dq, dk, dv, starts, anchors,
         *_strides3(q), *_strides3(k), *_strides3(v), *_strides3(out), *_strides3(dout),
         *_strides3(dq), *_strides3(dk), *_strides3(dv), A, L, NKV, D ** -0.5 * LOG2E, D ** -0.5,
-        BLOCK_B=max(16, triton.next_power_of_2(block_size)), **common)
+        G=G, BS=block_size, D=D, BLOCK_M=BLOCK_M, BLOCK_N=c["dq_keys"], BLOCK_B=max(16, triton.next_power_of_2(block_size)),
+        num_warps=c["dq_warps"], num_stages=c["dq_stages"])
     # The blocks that may see a tile of keys [t, t + n): anchor > t (a suffix, anchors sorted) and
     # start < t + n (a prefix, starts sorted with them).
-    NT = -(-L // c["bwd_keys"])
-    tile_first = (torch.arange(NT, device=q.device, dtype=anchors.dtype) * c["bwd_keys"]).expand(B, NT).contiguous()
+    n = c["dkdv_keys"]
+    NT = -(-L // n)
+    tile_first = (torch.arange(NT, device=q.device, dtype=anchors.dtype) * n).expand(B, NT).contiguous()
     first_block = torch.searchsorted(anchors, tile_first, right=True, out_int32=True)
-    end_block = torch.searchsorted(starts, tile_first + c["bwd_keys"], out_int32=True)
+    end_block = torch.searchsorted(starts, tile_first + n, out_int32=True)
     _block_attention_bwd_context[(NT, B * NKV)](
         q, k, v, dout, lse, delta, dk, dv, starts, anchors, first_block, end_block,
         *_strides3(q), *_strides3(k), *_strides3(v), *_strides3(dout), *_strides3(dk), *_strides3(dv),
-        A, L, NKV, NT, D ** -0.5 * LOG2E, D ** -0.5, **common)
+        A, L, NKV, NT, D ** -0.5 * LOG2E, D ** -0.5, G=G, BS=block_size, D=D, BLOCK_M=BLOCK_M, BLOCK_N=n,
+        num_warps=c["dkdv_warps"], num_stages=c["dkdv_stages"])
     return dq, dk, dv
 
 

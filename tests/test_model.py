@@ -317,12 +317,14 @@ import sys, torch
 sys.path.insert(0, sys.argv[1])
 import dflash_model as dm
 torch.manual_seed(0)
-dm.BLOCK_ATTENTION_CONFIG.update(fwd_keys=16, bwd_keys=16)  # several key tiles a block at these lengths
 # (rows, query heads, KV heads, head_dim, context length, blocks, block size): heads x slots of
-# 16, 30 (padded to 32 rows) and 16 a program; a 16-slot block beside a 16-key tile
-for B, H, NKV, D, L, A, bs in ((2, 4, 2, 32, 40, 6, 8), (1, 6, 2, 16, 50, 5, 10), (1, 2, 2, 16, 33, 3, 16)):
+# 16, 30 (padded to 32 rows) and 16 a program; a 16-slot block beside a 16-key tile. Key tiles
+# of 16 and 32, so blocks span several.
+cases = [(2, 4, 2, 32, 40, 6, 8), (1, 6, 2, 16, 50, 5, 10), (1, 2, 2, 16, 33, 3, 16)]
+for (B, H, NKV, D, L, A, bs), keys in zip(cases * 2, [(16, 16, 16)] * 3 + [(32, 16, 32)] * 3):
+    dm.BLOCK_ATTENTION_CONFIG.update(zip(("fwd_keys", "dq_keys", "dkdv_keys"), keys))
     doc = torch.zeros(B, L, dtype=torch.long)
-    doc[:, L // 3:] = 1
+    doc[:, 15 if L < 48 else 31:] = 1  # a document starting on a tile's last key
     doc[:, L - 5:] = 2  # three documents a row, the last one short like padding
     anchors = torch.sort(torch.rand(B, L).topk(A, dim=1).indices, dim=1).values
     anchors[0, 0] = 0  # a block with no context at all

@@ -11,7 +11,8 @@ Qwen3-8B shapes (4 rows x 3072 tokens, 512 anchors x block 16, 32 heads / 8 KV h
   bounds_kv64 bounds over 128-query x 64-key tiles (kernel blocks of 64 keys to match)
   triton      dflash_model.block_attend: the Triton kernels over exactly the keys each block
               sees, once per configuration in --triton-configs (dm.BLOCK_ATTENTION_CONFIG's
-              fwd_keys,fwd_warps,fwd_stages,bwd_keys,bwd_warps,bwd_stages; the first is the one in use)
+              values in its order: keys, warps, stages of the forward, the per-block backward
+              and the per-key-tile backward; the first is the one in use)
 
     python scripts/experiments/drafter_attention_variants.py [--variants bounds,triton,...]
 
@@ -107,9 +108,12 @@ def main():
     p = argparse.ArgumentParser()
     p.add_argument("--variants", default="bounds,triton,bounds_safe,bounds_kv64")
     in_use = ",".join(str(v) for v in dm.BLOCK_ATTENTION_CONFIG.values())
+    # The twenty-second session swept one backward setting for both kernels; in the step the
+    # per-block kernel ran at about half the per-tile one's TFLOP/s, so these vary it alone
     p.add_argument("--triton-configs", default=";".join([
-        in_use, "64,4,2,64,4,2", "128,4,2,64,4,2", "128,8,3,64,4,2", "32,4,3,64,4,2",
-        "64,4,3,64,4,3", "64,4,3,128,8,2", "64,4,3,32,4,2", "64,4,3,64,8,2", "64,4,3,128,4,2"]))
+        in_use, "32,4,3,64,4,2,64,4,2", "64,4,3,64,8,2,64,4,2", "64,4,3,32,4,2,64,4,2", "64,4,3,32,8,2,64,4,2",
+        "64,4,3,64,4,3,64,4,2", "64,4,3,128,8,2,64,4,2", "64,4,3,64,8,3,64,4,2", "64,4,3,64,4,2,64,4,3",
+        "64,4,3,64,4,2,32,4,2"]))
     p.add_argument("--iters", type=int, default=20)
     a = p.parse_args()
     c = drafter_attention_case("cuda")
