@@ -2771,7 +2771,8 @@ def build_drafters(args, target_config, devices, embed, head, log):
         d.set_target_parts(dm.embedding_on(embed, dev, dtype), head.to(dev, dtype))
         drafters.append(d)
     log(f"drafter: {master.num_parameters() / 1e6:.1f}M parameters, {cfg.num_hidden_layers} layers, block "
-        f"{cfg.block_size}, target layers {master.target_layer_ids}, mask token {args.mask_token_id}")
+        f"{cfg.block_size}, target layers {master.target_layer_ids}, mask token {args.mask_token_id}; "
+        f"{args.attention} attention")
     return drafters
 
 

@@ -69,6 +69,7 @@ def test_end_to_end_two_workers(tmp_path, tiny_model_dir):
     log = (out / "train.log").read_text()
     assert "tok/s" in log and "tau" in log and "done: 30 steps" in log
     assert "split: target and drafter share ['cpu']" in log  # measured busy times, logged once
+    assert "mask token" in log and "; sdpa attention" in log  # auto on CPU
 
 
 def test_replicas_stay_identical(tmp_path, tiny_model_dir, monkeypatch):
