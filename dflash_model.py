@@ -369,24 +369,31 @@ def flex_attend(anchors, doc_ids, block_size):
 # are read once per KV head. The backward takes a block's own keys' gradients in that block's
 # program (no other block sees them), and the context keys' in a program per tile of keys, over
 # the run of blocks that may see it: anchors are sorted, and so are their documents' starts.
+
 # (keys a tile, warps, pipeline stages) of each kernel: the forward, the per-block backward and
 # the per-key-tile backward; chosen by scripts/experiments/drafter_attention_variants.py
 BLOCK_ATTENTION_CONFIG = {"fwd_keys": 64, "fwd_warps": 4, "fwd_stages": 3,
                           "dq_keys": 64, "dq_warps": 4, "dq_stages": 2,
                           "dkdv_keys": 64, "dkdv_warps": 4, "dkdv_stages": 2}
-LOG2E = 1.4426950408889634
 
 if triton is not None:
     @triton.jit
-    def _block_rows(blk, kvh, G: tl.constexpr, BS: tl.constexpr, BLOCK_M: tl.constexpr):
-        """(row ok, query head, query position) of a program's rows: the G heads x BS slots of block blk."""
+    def _block_rows(blk, b, kvh, NKV, A, G: tl.constexpr, BS: tl.constexpr, BLOCK_M: tl.constexpr):
+        """A program's rows, the G heads x BS slots of block blk: (row ok, query head, query
+        position, index into the [B, H, Q] row statistics)."""
         rows = tl.arange(0, BLOCK_M)
-        return rows < G * BS, kvh * G + rows // BS, blk * BS + rows % BS
+        head, pos = (kvh * G + rows // BS).to(tl.int64), blk * BS + rows % BS
+        return rows < G * BS, head, pos, (b * NKV * G + head) * (A * BS) + pos
+
+    @triton.jit
+    def _rows(base, pos, stride, d):
+        """Pointers [len(pos), D] to positions pos of a head (base: one pointer, or one a row)."""
+        return (base + pos * stride)[:, None] + d[None, :]
 
     @triton.jit
     def _key_tile(k_head, v_head, keys, key_ok, sks, svs, d):
-        kt = tl.load(k_head + keys[:, None] * sks + d[None, :], mask=key_ok[:, None], other=0.0)
-        vt = tl.load(v_head + keys[:, None] * svs + d[None, :], mask=key_ok[:, None], other=0.0)
+        kt = tl.load(_rows(k_head, keys, sks, d), mask=key_ok[:, None], other=0.0)
+        vt = tl.load(_rows(v_head, keys, svs, d), mask=key_ok[:, None], other=0.0)
         return kt, vt
 
     @triton.jit
@@ -408,15 +415,15 @@ if triton is not None:
     @triton.jit
     def _block_attention_fwd(q, k, v, out, lse, starts, anchors,
                              sqb, sqh, sqs, skb, skh, sks, svb, svh, svs, sob, soh, sos,
-                             A, L, NKV, qk_scale,
+                             A, L, NKV, sm_scale,
                              G: tl.constexpr, BS: tl.constexpr, D: tl.constexpr,
                              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_B: tl.constexpr):
         blk, bh = tl.program_id(0), tl.program_id(1)
         b, kvh = (bh // NKV).to(tl.int64), bh % NKV
-        row_ok, head, pos = _block_rows(blk, kvh, G, BS, BLOCK_M)
+        row_ok, head, pos, row_stat = _block_rows(blk, b, kvh, NKV, A, G, BS, BLOCK_M)
         d = tl.arange(0, D)
-        q_rows = q + b * sqb + head.to(tl.int64) * sqh + pos * sqs
-        qt = tl.load(q_rows[:, None] + d[None, :], mask=row_ok[:, None], other=0.0)
+        qk_scale = sm_scale * 1.4426950408889634  # scores in base 2: exp2 instead of exp
+        qt = tl.load(_rows(q + b * sqb + head * sqh, pos, sqs, d), mask=row_ok[:, None], other=0.0)
         k_head, v_head = k + b * skb + kvh * skh, v + b * svb + kvh * svh
         start, end = tl.load(starts + b * A + blk), tl.load(anchors + b * A + blk)
         m = tl.full((BLOCK_M,), float("-inf"), tl.float32)
@@ -429,29 +436,27 @@ if triton is not None:
         keys = tl.arange(0, BLOCK_B)  # then the block's own keys, after the L context keys
         kt, vt = _key_tile(k_head, v_head, L + blk * BS + keys, keys < BS, sks, svs, d)
         m, l_sum, acc = _softmax_update(qt, kt, vt, keys < BS, m, l_sum, acc, qk_scale)
-        o_rows = out + b * sob + head.to(tl.int64) * soh + pos * sos
-        tl.store(o_rows[:, None] + d[None, :], (acc / l_sum[:, None]).to(out.dtype.element_ty), mask=row_ok[:, None])
-        lse_rows = lse + (b * NKV * G + head) * (A * BS) + pos  # [B, H, Q], base 2, of the scaled scores
-        tl.store(lse_rows, m + tl.log2(l_sum), mask=row_ok)
+        tl.store(_rows(out + b * sob + head * soh, pos, sos, d), (acc / l_sum[:, None]).to(out.dtype.element_ty),
+                 mask=row_ok[:, None])
+        tl.store(lse + row_stat, m + tl.log2(l_sum), mask=row_ok)  # base 2, of the scaled scores
 
     @triton.jit
     def _block_attention_bwd_block(q, k, v, out, dout, lse, delta, dq, dk, dv, starts, anchors,
                                    sqb, sqh, sqs, skb, skh, sks, svb, svh, svs, sob, soh, sos,
                                    sgb, sgh, sgs, sdqb, sdqh, sdqs, sdkb, sdkh, sdks, sdvb, sdvh, sdvs,
-                                   A, L, NKV, qk_scale, sm_scale,
+                                   A, L, NKV, sm_scale,
                                    G: tl.constexpr, BS: tl.constexpr, D: tl.constexpr,
                                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_B: tl.constexpr):
         # Per block: its rows' delta = rowsum(dout * out) (stored for the context-key kernel, which
         # runs after), dq over every key it sees, and dk, dv of its own keys.
         blk, bh = tl.program_id(0), tl.program_id(1)
         b, kvh = (bh // NKV).to(tl.int64), bh % NKV
-        row_ok, head, pos = _block_rows(blk, kvh, G, BS, BLOCK_M)
-        head = head.to(tl.int64)
+        row_ok, head, pos, row_stat = _block_rows(blk, b, kvh, NKV, A, G, BS, BLOCK_M)
         d = tl.arange(0, D)
-        qt = tl.load((q + b * sqb + head * sqh + pos * sqs)[:, None] + d[None, :], mask=row_ok[:, None], other=0.0)
-        do_t = tl.load((dout + b * sgb + head * sgh + pos * sgs)[:, None] + d[None, :], mask=row_ok[:, None], other=0.0)
-        ot = tl.load((out + b * sob + head * soh + pos * sos)[:, None] + d[None, :], mask=row_ok[:, None], other=0.0)
-        row_stat = (b * NKV * G + head) * (A * BS) + pos
+        qk_scale = sm_scale * 1.4426950408889634
+        qt = tl.load(_rows(q + b * sqb + head * sqh, pos, sqs, d), mask=row_ok[:, None], other=0.0)
+        do_t = tl.load(_rows(dout + b * sgb + head * sgh, pos, sgs, d), mask=row_ok[:, None], other=0.0)
+        ot = tl.load(_rows(out + b * sob + head * soh, pos, sos, d), mask=row_ok[:, None], other=0.0)
         row_delta = tl.sum(do_t.to(tl.float32) * ot.to(tl.float32), 1)
         tl.store(delta + row_stat, row_delta, mask=row_ok)
         row_lse = tl.load(lse + row_stat, mask=row_ok, other=0.0)
@@ -469,20 +474,18 @@ if triton is not None:
         kt, vt = _key_tile(k_head, v_head, own, key_ok, sks, svs, d)
         p, ds = _score_grads(qt, do_t, kt, vt, key_ok, row_ok, row_lse, row_delta, qk_scale)
         acc += tl.dot(ds.to(kt.dtype), kt)
-        tl.store((dq + b * sdqb + head * sdqh + pos * sdqs)[:, None] + d[None, :],
-                 (acc * sm_scale).to(dq.dtype.element_ty), mask=row_ok[:, None])
+        tl.store(_rows(dq + b * sdqb + head * sdqh, pos, sdqs, d), (acc * sm_scale).to(dq.dtype.element_ty),
+                 mask=row_ok[:, None])
         own_dk = tl.dot(tl.trans(ds.to(qt.dtype)), qt) * sm_scale
         own_dv = tl.dot(tl.trans(p.to(do_t.dtype)), do_t)
-        tl.store((dk + b * sdkb + kvh * sdkh + own * sdks)[:, None] + d[None, :], own_dk.to(dk.dtype.element_ty),
-                 mask=key_ok[:, None])
-        tl.store((dv + b * sdvb + kvh * sdvh + own * sdvs)[:, None] + d[None, :], own_dv.to(dv.dtype.element_ty),
-                 mask=key_ok[:, None])
+        tl.store(_rows(dk + b * sdkb + kvh * sdkh, own, sdks, d), own_dk.to(dk.dtype.element_ty), mask=key_ok[:, None])
+        tl.store(_rows(dv + b * sdvb + kvh * sdvh, own, sdvs, d), own_dv.to(dv.dtype.element_ty), mask=key_ok[:, None])
 
     @triton.jit
     def _block_attention_bwd_context(q, k, v, dout, lse, delta, dk, dv, starts, anchors, first_block, end_block,
                                      sqb, sqh, sqs, skb, skh, sks, svb, svh, svs, sgb, sgh, sgs,
                                      sdkb, sdkh, sdks, sdvb, sdvh, sdvs,
-                                     A, L, NKV, NT, qk_scale, sm_scale,
+                                     A, L, NKV, NT, sm_scale,
                                      G: tl.constexpr, BS: tl.constexpr, D: tl.constexpr,
                                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
         # Per tile of context keys: dk, dv over the blocks [first_block, end_block) that may see it;
@@ -490,20 +493,17 @@ if triton is not None:
         tile, bh = tl.program_id(0), tl.program_id(1)
         b, kvh = (bh // NKV).to(tl.int64), bh % NKV
         d = tl.arange(0, D)
+        qk_scale = sm_scale * 1.4426950408889634
         keys = tile * BLOCK_N + tl.arange(0, BLOCK_N)
         key_ok = keys < L
-        kt = tl.load((k + b * skb + kvh * skh + keys * sks)[:, None] + d[None, :], mask=key_ok[:, None], other=0.0)
-        vt = tl.load((v + b * svb + kvh * svh + keys * svs)[:, None] + d[None, :], mask=key_ok[:, None], other=0.0)
+        kt, vt = _key_tile(k + b * skb + kvh * skh, v + b * svb + kvh * svh, keys, key_ok, sks, svs, d)
         dk_acc = tl.zeros((BLOCK_N, D), tl.float32)
         dv_acc = tl.zeros((BLOCK_N, D), tl.float32)
         lo, hi = tl.load(first_block + b * NT + tile), tl.load(end_block + b * NT + tile)
         for blk in range(lo, hi):
-            row_ok, head, pos = _block_rows(blk, kvh, G, BS, BLOCK_M)
-            head = head.to(tl.int64)
-            qt = tl.load((q + b * sqb + head * sqh + pos * sqs)[:, None] + d[None, :], mask=row_ok[:, None], other=0.0)
-            do_t = tl.load((dout + b * sgb + head * sgh + pos * sgs)[:, None] + d[None, :], mask=row_ok[:, None],
-                          other=0.0)
-            row_stat = (b * NKV * G + head) * (A * BS) + pos
+            row_ok, head, pos, row_stat = _block_rows(blk, b, kvh, NKV, A, G, BS, BLOCK_M)
+            qt = tl.load(_rows(q + b * sqb + head * sqh, pos, sqs, d), mask=row_ok[:, None], other=0.0)
+            do_t = tl.load(_rows(dout + b * sgb + head * sgh, pos, sgs, d), mask=row_ok[:, None], other=0.0)
             row_lse = tl.load(lse + row_stat, mask=row_ok, other=0.0)
             row_delta = tl.load(delta + row_stat, mask=row_ok, other=0.0)
             start, end = tl.load(starts + b * A + blk), tl.load(anchors + b * A + blk)
@@ -513,19 +513,23 @@ if triton is not None:
             dv_acc += tl.dot(pT.to(do_t.dtype), do_t)
             dsT = pT * (tl.dot(vt, tl.trans(do_t)) - row_delta[None, :])
             dk_acc += tl.dot(dsT.to(qt.dtype), qt)
-        tl.store((dk + b * sdkb + kvh * sdkh + keys * sdks)[:, None] + d[None, :], (dk_acc * sm_scale).to(dk.dtype.element_ty),
+        tl.store(_rows(dk + b * sdkb + kvh * sdkh, keys, sdks, d), (dk_acc * sm_scale).to(dk.dtype.element_ty),
                  mask=key_ok[:, None])
-        tl.store((dv + b * sdvb + kvh * sdvh + keys * sdvs)[:, None] + d[None, :], dv_acc.to(dv.dtype.element_ty),
-                 mask=key_ok[:, None])
+        tl.store(_rows(dv + b * sdvb + kvh * sdvh, keys, sdvs, d), dv_acc.to(dv.dtype.element_ty), mask=key_ok[:, None])
 
 
 def _block_attention_shapes(q, k, anchors, block_size):
+    """(B, H, Q, D, blocks, KV heads, context length, the kernels' row constants)."""
     B, H, Q, D = q.shape
     A, NKV = anchors.shape[1], k.shape[1]
     if Q != A * block_size or H % NKV or D < 16 or D & (D - 1):
         raise ValueError(f"block attention: q {tuple(q.shape)}, k {tuple(k.shape)}, {A} blocks of {block_size}")
-    G = H // NKV
-    return B, H, Q, D, A, NKV, G, k.shape[2] - Q, max(16, triton.next_power_of_2(G * block_size))
+    rows = dict(G=H // NKV, BS=block_size, D=D, BLOCK_M=max(16, triton.next_power_of_2(H // NKV * block_size)))
+    return B, H, Q, D, A, NKV, k.shape[2] - Q, rows
+
+
+def _own_keys(block_size):  # the block's own keys as one tile: tl.dot wants 16 or more
+    return max(16, triton.next_power_of_2(block_size))
 
 
 def _strides3(t):  # (batch, head, position); the last dim must be unit-stride
@@ -536,23 +540,33 @@ def _unit_last(*ts):
     return [t if t.stride(-1) == 1 else t.contiguous() for t in ts]
 
 
+def key_tile_blocks(starts, anchors, seq_len, key_tile):
+    """[2, B, tiles] int32: for each tile [t, t + key_tile) of the seq_len context keys, the first
+    block and the end of the run of blocks that may see it: anchor > t (a suffix, anchors sorted)
+    and start < t + key_tile (a prefix, starts sorted with them)."""
+    tiles = torch.arange(-(-seq_len // key_tile), device=anchors.device, dtype=anchors.dtype) * key_tile
+    tiles = tiles.expand(anchors.shape[0], -1).contiguous()
+    return torch.stack([torch.searchsorted(anchors, tiles, right=True, out_int32=True),
+                        torch.searchsorted(starts, tiles + key_tile, out_int32=True)])
+
+
 @torch.library.custom_op("dflash::block_attention", mutates_args=())
-def _block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, starts: torch.Tensor,
-                     anchors: torch.Tensor, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, starts: torch.Tensor, anchors: torch.Tensor,
+                     tile_blocks: torch.Tensor, block_size: int, key_tile: int) -> tuple[torch.Tensor, torch.Tensor]:
     q, k, v = _unit_last(q, k, v)
-    B, H, Q, D, A, NKV, G, L, BLOCK_M = _block_attention_shapes(q, k, anchors, block_size)
+    B, H, Q, D, A, NKV, L, rows = _block_attention_shapes(q, k, anchors, block_size)
     c = BLOCK_ATTENTION_CONFIG
     out = q.new_empty(B, Q, H, D).transpose(1, 2)  # the layout o_proj reads: [B, Q, H * D]
     lse = torch.empty(B, H, Q, dtype=torch.float32, device=q.device)
     _block_attention_fwd[(A, B * NKV)](
         q, k, v, out, lse, starts, anchors, *_strides3(q), *_strides3(k), *_strides3(v), *_strides3(out),
-        A, L, NKV, D ** -0.5 * LOG2E, G=G, BS=block_size, D=D, BLOCK_M=BLOCK_M, BLOCK_N=c["fwd_keys"],
-        BLOCK_B=max(16, triton.next_power_of_2(block_size)), num_warps=c["fwd_warps"], num_stages=c["fwd_stages"])
+        A, L, NKV, D ** -0.5, **rows, BLOCK_N=c["fwd_keys"], BLOCK_B=_own_keys(block_size),
+        num_warps=c["fwd_warps"], num_stages=c["fwd_stages"])
     return out, lse
 
 
 @_block_attention.register_fake
-def _(q, k, v, starts, anchors, block_size):
+def _(q, k, v, starts, anchors, tile_blocks, block_size, key_tile):
     B, H, Q, D = q.shape
     return q.new_empty(B, Q, H, D).transpose(1, 2), q.new_empty(B, H, Q, dtype=torch.float32)
 
@@ -560,48 +574,40 @@ def _(q, k, v, starts, anchors, block_size):
 @torch.library.custom_op("dflash::block_attention_backward", mutates_args=())
 def _block_attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                               out: torch.Tensor, lse: torch.Tensor, starts: torch.Tensor, anchors: torch.Tensor,
-                              block_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                              tile_blocks: torch.Tensor, block_size: int,
+                              key_tile: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     dout, q, k, v, out = _unit_last(dout, q, k, v, out)
-    B, H, Q, D, A, NKV, G, L, BLOCK_M = _block_attention_shapes(q, k, anchors, block_size)
+    B, H, Q, D, A, NKV, L, rows = _block_attention_shapes(q, k, anchors, block_size)
     c = BLOCK_ATTENTION_CONFIG
     dq, dk, dv = q.new_empty(B, Q, H, D).transpose(1, 2), torch.empty_like(k), torch.empty_like(v)
     delta = torch.empty_like(lse)
     _block_attention_bwd_block[(A, B * NKV)](
         q, k, v, out, dout, lse, delta, dq, dk, dv, starts, anchors,
         *_strides3(q), *_strides3(k), *_strides3(v), *_strides3(out), *_strides3(dout),
-        *_strides3(dq), *_strides3(dk), *_strides3(dv), A, L, NKV, D ** -0.5 * LOG2E, D ** -0.5,
-        G=G, BS=block_size, D=D, BLOCK_M=BLOCK_M, BLOCK_N=c["dq_keys"], BLOCK_B=max(16, triton.next_power_of_2(block_size)),
-        num_warps=c["dq_warps"], num_stages=c["dq_stages"])
-    # The blocks that may see a tile of keys [t, t + n): anchor > t (a suffix, anchors sorted) and
-    # start < t + n (a prefix, starts sorted with them).
-    n = c["dkdv_keys"]
-    NT = -(-L // n)
-    tile_first = (torch.arange(NT, device=q.device, dtype=anchors.dtype) * n).expand(B, NT).contiguous()
-    first_block = torch.searchsorted(anchors, tile_first, right=True, out_int32=True)
-    end_block = torch.searchsorted(starts, tile_first + n, out_int32=True)
+        *_strides3(dq), *_strides3(dk), *_strides3(dv), A, L, NKV, D ** -0.5,
+        **rows, BLOCK_N=c["dq_keys"], BLOCK_B=_own_keys(block_size), num_warps=c["dq_warps"], num_stages=c["dq_stages"])
+    NT = tile_blocks.shape[-1]
     _block_attention_bwd_context[(NT, B * NKV)](
-        q, k, v, dout, lse, delta, dk, dv, starts, anchors, first_block, end_block,
+        q, k, v, dout, lse, delta, dk, dv, starts, anchors, tile_blocks[0], tile_blocks[1],
         *_strides3(q), *_strides3(k), *_strides3(v), *_strides3(dout), *_strides3(dk), *_strides3(dv),
-        A, L, NKV, NT, D ** -0.5 * LOG2E, D ** -0.5, G=G, BS=block_size, D=D, BLOCK_M=BLOCK_M, BLOCK_N=n,
-        num_warps=c["dkdv_warps"], num_stages=c["dkdv_stages"])
+        A, L, NKV, NT, D ** -0.5, **rows, BLOCK_N=key_tile, num_warps=c["dkdv_warps"], num_stages=c["dkdv_stages"])
     return dq, dk, dv
 
 
 @_block_attention_backward.register_fake
-def _(dout, q, k, v, out, lse, starts, anchors, block_size):
+def _(dout, q, k, v, out, lse, starts, anchors, tile_blocks, block_size, key_tile):
     B, H, Q, D = q.shape
     return q.new_empty(B, Q, H, D).transpose(1, 2), torch.empty_like(k), torch.empty_like(v)
 
 
 def _block_attention_setup(ctx, inputs, output):
-    q, k, v, starts, anchors, ctx.block_size = inputs
-    ctx.save_for_backward(q, k, v, output[0], output[1], starts, anchors)
+    q, k, v, starts, anchors, tile_blocks, ctx.block_size, ctx.key_tile = inputs
+    ctx.save_for_backward(q, k, v, output[0], output[1], starts, anchors, tile_blocks)
 
 
 def _block_attention_grads(ctx, grad_out, grad_lse):
-    q, k, v, out, lse, starts, anchors = ctx.saved_tensors
-    dq, dk, dv = _block_attention_backward(grad_out, q, k, v, out, lse, starts, anchors, ctx.block_size)
-    return dq, dk, dv, None, None, None
+    dq, dk, dv = _block_attention_backward(grad_out, *ctx.saved_tensors, ctx.block_size, ctx.key_tile)
+    return dq, dk, dv, None, None, None, None, None
 
 
 _block_attention.register_autograd(_block_attention_grads, setup_context=_block_attention_setup)
@@ -610,16 +616,20 @@ _block_attention.register_autograd(_block_attention_grads, setup_context=_block_
 def block_attend(anchors, doc_ids, block_size):
     """The rule by the Triton kernels above (CUDA with triton). q/k/v as DraftAttention hands
     them over: doc_ids.shape[1] context keys, then the blocks'. The backward needs anchors sorted
-    per row, as select_anchors gives them."""
+    per row, as select_anchors gives them. Per batch, once for every layer: each block's key
+    range, and the run of blocks each tile of context keys may be seen by."""
     starts = context_starts(anchors, doc_ids).to(torch.int32).contiguous()
     anchors = anchors.to(torch.int32).contiguous()
+    key_tile = BLOCK_ATTENTION_CONFIG["dkdv_keys"]
+    tile_blocks = key_tile_blocks(starts, anchors, doc_ids.shape[1], key_tile)
 
     def attend(q, k, v):
         # One dtype for the kernels' dots: under autocast the one SDPA would take (q and k come
         # out of the fp32-weighted q/k-norm in fp32, v from its projection in bf16)
         device = q.device.type
         dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else q.dtype
-        return _block_attention(q.to(dtype), k.to(dtype), v.to(dtype), starts, anchors, block_size)[0]
+        return _block_attention(q.to(dtype), k.to(dtype), v.to(dtype), starts, anchors, tile_blocks, block_size,
+                                key_tile)[0]
     return attend
 
 
