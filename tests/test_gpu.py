@@ -265,23 +265,24 @@ def test_pipeline_compiled_end_to_end(tmp_path, tiny_model_dir, layout):
     assert os.path.exists(tmp_path / "o" / "final" / "model.safetensors")
 
 
-def drafter_mask_case(H, KV, D):
-    """A drafter-shaped flex_attention case on the GPU: sorted anchors over two documents per row
-    (and padding), the block rule, q/k/v (query and key lengths off the 128 tile)."""
-    B, L, A, bs = 2, 1000, 100, 16
+def drafter_mask_case(H, KV, D, bs=16, dtype=torch.bfloat16):
+    """A drafter-shaped attention case on the GPU: sorted anchors over two documents per row
+    (and padding), the block rule, q/k/v in dtype (query and key lengths off the 128 tile; the
+    same values, rounded, in every dtype)."""
+    B, L, A = 2, 1000, 100
     g = torch.Generator().manual_seed(0)
     doc = torch.zeros(B, L, dtype=torch.long)
     doc[0, 600:], doc[1, 300:], doc[1, -5:] = 1, 1, -1
     anchors = torch.sort(torch.rand(B, L, generator=g).topk(A, dim=1).indices, dim=1).values.cuda()
     doc = doc.cuda()
     starts = dm.context_starts(anchors, doc)
-    q = torch.randn(B, H, A * bs, D, generator=g).cuda().bfloat16()
-    k, v = torch.randn(2, B, KV, L + A * bs, D, generator=g).cuda().bfloat16()
-    return types.SimpleNamespace(B=B, L=L, A=A, bs=bs, anchors=anchors, starts=starts,
+    q = torch.randn(B, H, A * bs, D, generator=g).cuda().to(dtype)
+    k, v = torch.randn(2, B, KV, L + A * bs, D, generator=g).cuda().to(dtype)
+    return types.SimpleNamespace(B=B, L=L, A=A, bs=bs, anchors=anchors, starts=starts, doc=doc,
                                  mask_mod=dm.block_mask_mod(starts, anchors, L, bs), q=q, k=k, v=v)
 
 
-def flex_output_and_grads(attend, case):
+def output_and_grads(attend, case):
     """[output, q.grad, k.grad, v.grad] of attend(q, k, v) under a squared-sum loss."""
     q, k, v = (t.clone().requires_grad_() for t in (case.q, case.k, case.v))
     out = attend(q, k, v)
@@ -304,7 +305,7 @@ def test_flex_block_mask_on_gpu_equals_create_block_mask_forward_and_backward():
         assert getattr(eager, f).stride() == cf.stride() == getattr(want, f).stride(), f
 
     attend = torch.compile(flex_attention, dynamic=False)
-    results = [flex_output_and_grads(lambda q, k, v: attend(q, k, v, block_mask=mask, enable_gqa=True), c)
+    results = [output_and_grads(lambda q, k, v: attend(q, k, v, block_mask=mask, enable_gqa=True), c)
                for mask in (want, eager)]
     for a, b in zip(*results):
         assert torch.equal(a, b)
@@ -312,31 +313,16 @@ def test_flex_block_mask_on_gpu_equals_create_block_mask_forward_and_backward():
 
 @pytest.mark.parametrize("block_size,D", [(16, 128), (10, 64)])
 def test_triton_block_attention_as_close_to_fp32_as_flex(block_size, D):
-    # dm.block_attend's kernels in bf16 against the rule in fp32 (SDPA, dense mask), forward and
-    # the three gradients, as close as flex_attention in bf16 is: Qwen3-8B's heads (32 query,
-    # 8 KV: 4 x 16 rows a program) with three documents a row, padding, and a block at 0.
-    B, H, NKV, L, A = 2, 32, 8, 1000, 96
-    g = torch.Generator().manual_seed(3)
-    doc = torch.zeros(B, L, dtype=torch.long)
-    doc[:, 300:] = 1
-    doc[:, 700:] = 2
-    doc[:, -40:] = -1
-    anchors = torch.sort(torch.rand(B, L, generator=g).topk(A, dim=1).indices, dim=1).values
-    anchors[:, 0] = 0
-    anchors, doc = anchors.cuda(), doc.cuda()
-    q = torch.randn(B, A * block_size, H, D, generator=g).transpose(1, 2).cuda()
-    k, v = (torch.randn(B, NKV, L + A * block_size, D, generator=g).cuda() for _ in range(2))
-    grad_out = torch.randn(B, H, A * block_size, D, generator=g).cuda()
-
-    def run(attend, dtype):
-        x = [t.detach().to(dtype).requires_grad_() for t in (q, k, v)]
-        out = attend(*x)
-        out.backward(grad_out.to(dtype))
-        return [t.float() for t in (out, *(t.grad for t in x))]
-    want = run(dm.sdpa_attend(dm.dense_block_mask(anchors, doc, block_size)), torch.float32)
-    flex = run(dm.flex_attend(anchors, doc, block_size), torch.bfloat16)
-    ours = run(dm.block_attend(anchors, doc, block_size), torch.bfloat16)
+    # dm.block_attend's kernels in bf16 against the rule in fp32 (SDPA, dense mask) on the same
+    # values unrounded, forward and the three gradients, as close as flex_attention in bf16 is:
+    # Qwen3-8B's heads (32 query, 8 KV: 4 x 16 rows a program), documents and padding.
+    exact, case = (drafter_mask_case(H=32, KV=8, D=D, bs=block_size, dtype=dtype)
+                   for dtype in (torch.float32, torch.bfloat16))
+    want = output_and_grads(dm.sdpa_attend(dm.dense_block_mask(exact.anchors, exact.doc, block_size)), exact)
+    flex = output_and_grads(dm.flex_attend(case.anchors, case.doc, block_size), case)
+    ours = output_and_grads(dm.block_attend(case.anchors, case.doc, block_size), case)
     for name, w, f, o in zip(("out", "dq", "dk", "dv"), want, flex, ours):
+        w, f, o = w.float(), f.float(), o.float()
         err_flex, err = ((f - w).norm() / w.norm()).item(), ((o - w).norm() / w.norm()).item()
         print(f"{name}: relative error against fp32, flex {err_flex:.2e}, triton {err:.2e}")
         assert err < 1.5 * err_flex + 1e-4 and err < 1e-2, name
@@ -357,7 +343,7 @@ def test_flex_backward_options_give_bitwise_the_same_gradients(D):
     for kernel_options in (None, options):
         attend = torch.compile(lambda q, k, v: flex_attention(q, k, v, block_mask=mask, enable_gqa=True,
                                                               kernel_options=kernel_options), dynamic=False)
-        results.append(flex_output_and_grads(attend, c))
+        results.append(output_and_grads(attend, c))
     for a, b in zip(*results):
         assert torch.equal(a, b)
 
