@@ -373,7 +373,7 @@ def flex_attend(anchors, doc_ids, block_size):
 # (keys a tile, warps, pipeline stages) of each kernel: the forward, the per-block backward and
 # the per-key-tile backward; chosen by scripts/experiments/drafter_attention_variants.py
 BLOCK_ATTENTION_CONFIG = {"fwd_keys": 64, "fwd_warps": 4, "fwd_stages": 3,
-                          "dq_keys": 64, "dq_warps": 4, "dq_stages": 2,
+                          "dq_keys": 32, "dq_warps": 4, "dq_stages": 3,
                           "dkdv_keys": 64, "dkdv_warps": 4, "dkdv_stages": 2}
 
 if triton is not None:
