@@ -76,6 +76,13 @@ def rope_fields(config):
     return float(getattr(config, "rope_theta", 10000.0)), getattr(config, "rope_scaling", None)
 
 
+def attention_shape(config):
+    """(query heads, KV heads, head_dim) of a target's text config: the drafter's own."""
+    heads = config.num_attention_heads
+    return (heads, getattr(config, "num_key_value_heads", None) or heads,
+            getattr(config, "head_dim", None) or config.hidden_size // heads)
+
+
 def make_drafter_config(target_config, mask_token_id, num_draft_layers=5, block_size=16,
                         target_layer_ids=None):
     """A Qwen3-style drafter config with the target's shapes plus the DFlash fields."""
@@ -89,7 +96,7 @@ def make_drafter_config(target_config, mask_token_id, num_draft_layers=5, block_
         raise ValueError(f"block_size must be at least 2, got {block_size}")
     if not 0 <= mask_token_id < tc.vocab_size:
         raise ValueError(f"mask_token_id {mask_token_id} is outside the vocabulary ({tc.vocab_size})")
-    heads = tc.num_attention_heads
+    heads, kv_heads, head_dim = attention_shape(tc)
     rope_theta, rope_scaling = rope_fields(tc)
     rope = {"rope_theta": rope_theta}
     if rope_scaling:
@@ -100,8 +107,8 @@ def make_drafter_config(target_config, mask_token_id, num_draft_layers=5, block_
         intermediate_size=tc.intermediate_size,
         num_hidden_layers=num_draft_layers,
         num_attention_heads=heads,
-        num_key_value_heads=getattr(tc, "num_key_value_heads", None) or heads,
-        head_dim=getattr(tc, "head_dim", None) or tc.hidden_size // heads,
+        num_key_value_heads=kv_heads,
+        head_dim=head_dim,
         hidden_act="silu",
         max_position_embeddings=getattr(tc, "max_position_embeddings", 32768),
         rms_norm_eps=getattr(tc, "rms_norm_eps", 1e-6),
@@ -375,6 +382,14 @@ def flex_attend(anchors, doc_ids, block_size):
 BLOCK_ATTENTION_CONFIG = {"fwd_keys": 64, "fwd_warps": 4, "fwd_stages": 3,
                           "dq_keys": 32, "dq_warps": 4, "dq_stages": 3,
                           "dkdv_keys": 64, "dkdv_warps": 4, "dkdv_stages": 2}
+
+
+def block_attention_fits(heads, kv_heads, head_dim, block_size):
+    """Whether the Triton kernels run these shapes as measured and tested: triton installed,
+    head_dim a power of two from 16 to 128, at most 128 rows a program (query heads per KV head x
+    block slots)."""
+    return (triton is not None and 16 <= head_dim <= 128 and not head_dim & (head_dim - 1)
+            and heads % kv_heads == 0 and heads // kv_heads * block_size <= 128)
 
 if triton is not None:
     @triton.jit

@@ -97,9 +97,9 @@ def build_parser():
       "mask) or flex (flex_attention under a document BlockMask: masked tiles skipped; same features); "
       "auto: flex on GPUs, dense on CPU")
     a("--drafter-attention", choices=("auto", "triton", "flex", "sdpa"), default="auto",
-      help="the drafter's block attention in training: flex (flex_attention under a block mask), triton "
-      "(dflash_model's kernels, over exactly the keys each block sees; as fast in the whole step, docs/benchmarks.md) "
-      "or sdpa (a dense mask; CPU); auto: flex on GPUs, sdpa on CPU")
+      help="the drafter's block attention in training: triton (dflash_model's kernels, over exactly the keys each "
+      "block sees), flex (flex_attention under a block mask) or sdpa (a dense mask; CPU); auto: triton on GPUs "
+      "where its shapes fit (else flex), sdpa on CPU")
     a("--compile-target", action=argparse.BooleanOptionalAction, default=None,
       help="compile the target's decoder layers (inductor) before the stage is warmed up (and, with --compile, "
       "captured); same features. Default: on with --compile on GPUs")
@@ -2905,12 +2905,22 @@ def resolve_settings(args):
         dm.check_target_layer_ids(args.layer_ids, tc.num_hidden_layers)
     except ValueError as e:
         raise UsageError(f"--target-layer-ids: {e}") from None
-    gpu = drafter_devices[0].type == "cuda"
-    if args.drafter_attention == "triton" and not (gpu and dm.triton is not None):
-        raise UsageError("--drafter-attention triton needs CUDA drafter GPUs and the triton package")
-    auto = "flex" if gpu else "sdpa"
-    args.attention = auto if args.drafter_attention == "auto" else args.drafter_attention
+    args.attention = drafter_attention(args, drafter_devices, tc)
     return target_devices, drafter_devices, tc
+
+
+def drafter_attention(args, devices, tc):
+    """The drafter's training attention: what --drafter-attention says, auto resolved for the
+    devices and shapes. On GPUs the Triton kernels make the step faster than flex_attention's
+    (docs/benchmarks.md, twenty-third session) where they fit the shapes; SDPA on CPU."""
+    gpu = devices[0].type == "cuda"
+    fits = gpu and dm.block_attention_fits(*dm.attention_shape(tc), args.block_size)
+    if args.drafter_attention == "triton" and not fits:
+        raise UsageError("--drafter-attention triton needs CUDA drafter GPUs, the triton package, head_dim a power "
+                         "of two from 16 to 128 and at most 128 query heads x block slots per KV head")
+    if args.drafter_attention != "auto":
+        return args.drafter_attention
+    return ("triton" if fits else "flex") if gpu else "sdpa"
 
 
 def write_log_line(log_file, msg, echo=print):

@@ -517,8 +517,9 @@ def main():
     p.add_argument("--ce-chunk", type=int, default=4096)
     p.add_argument("--ce-kernel", choices=("triton", "torch"), default=dm.HEAD_CE_KERNEL,
                    help="the LM-head chunk's reductions on CUDA: the Triton kernel or inductor's (dm.HEAD_CE_KERNEL)")
-    p.add_argument("--drafter-attention", choices=("flex", "triton"), default="flex",
-                   help="the drafter's block attention: flex_attention (the pipeline's default) or dflash_model's Triton kernels")
+    p.add_argument("--drafter-attention", choices=("auto", "flex", "triton"), default="auto",
+                   help="the drafter's block attention: flex_attention or dflash_model's Triton kernels; auto: the "
+                   "pipeline's choice")
     p.add_argument("--target-attention", choices=("dense", "flex"), default="flex",
                    help="the target stage's attention in the sections after 'target' (which times both)")
     p.add_argument("--iters", type=int, default=10)
@@ -561,6 +562,8 @@ def main():
     target_devs = [f"cuda:{i}" for i in (a.target_gpus or "0").split(",")]
     drafter_devs = [f"cuda:{i}" for i in (a.drafter_gpus or ("1" if n_gpu >= 2 else "0")).split(",")]
     target_dev, drafter_dev = target_devs[0], drafter_devs[0]
+    a.drafter_attention = tp.drafter_attention(types.SimpleNamespace(drafter_attention=a.drafter_attention,
+                                                                     block_size=a.block), [torch.device(drafter_dev)], cfg)
     n_used = len(set(target_devs + drafter_devs))
     features_dim = len(layer_ids) * cfg.hidden_size
     lines = []

@@ -20,7 +20,7 @@ def small_target_config():
                        num_attention_heads=8, num_key_value_heads=4, head_dim=128)
 
 
-def make_worker(compile, seed=0, device="cuda:0", rank=0, averager=None, attention="flex", token_budget=ROWS * LENGTH):
+def make_worker(compile, seed=0, device="cuda:0", rank=0, averager=None, attention="triton", token_budget=ROWS * LENGTH):
     args = tp.build_parser().parse_args(["--max-length", str(LENGTH), "--token-budget", str(token_budget),
                                          "--num-anchors", "64", "--num-draft-layers", "2", "--lr", "3e-4"]
                                         + (["--compile"] if compile else []))

@@ -710,3 +710,24 @@ def test_drafter_attention_auto_is_sdpa_on_cpu_and_triton_refused(tiny_model_dir
     assert args.attention == "flex"
     with pytest.raises(tp.UsageError, match="--drafter-attention triton needs CUDA"):
         tp.resolve_settings(tp.build_parser().parse_args(["--target-model", tiny_model_dir, "--drafter-attention", "triton"]))
+
+
+def test_drafter_attention_auto_is_triton_on_gpus_where_its_shapes_fit(monkeypatch):
+    monkeypatch.setattr(dm, "triton", object())  # installed or not here: the choice is what is tested
+    parser = tp.build_parser()
+    gpu, cpu = [torch.device("cuda", 0)], [torch.device("cpu")]
+    qwen3_8b = types.SimpleNamespace(num_attention_heads=32, num_key_value_heads=8, head_dim=128, hidden_size=4096)
+    choose = lambda argv, devices, tc=qwen3_8b: tp.drafter_attention(parser.parse_args(argv), devices, tc)  # noqa: E731
+    assert choose([], gpu) == "triton" and choose([], cpu) == "sdpa"
+    assert choose(["--drafter-attention", "flex"], gpu) == "flex"
+    # past what the kernels were measured on: 256-wide heads (Gemma 3), 4 query heads x 64 slots
+    # (256 rows) per KV head, a head_dim not a power of two; auto takes flex there, triton is refused
+    wide = types.SimpleNamespace(num_attention_heads=8, num_key_value_heads=4, head_dim=256, hidden_size=2048)
+    no_head_dim = types.SimpleNamespace(num_attention_heads=12, num_key_value_heads=4, hidden_size=1152)  # 96
+    for argv, tc in (([], wide), (["--block-size", "64"], qwen3_8b), ([], no_head_dim)):
+        assert choose(argv, gpu, tc) == "flex"
+        with pytest.raises(tp.UsageError, match="--drafter-attention triton needs"):
+            choose(argv + ["--drafter-attention", "triton"], gpu, tc)
+    assert choose(["--block-size", "32"], gpu) == "triton"  # 4 x 32: 128 rows
+    monkeypatch.setattr(dm, "triton", None)
+    assert choose([], gpu) == "flex"
