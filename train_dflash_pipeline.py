@@ -98,8 +98,8 @@ def build_parser():
       "auto: flex on GPUs, dense on CPU")
     a("--drafter-attention", choices=("auto", "triton", "flex", "sdpa"), default="auto",
       help="the drafter's block attention in training: triton (dflash_model's kernels, over exactly the keys each "
-      "block sees), flex (flex_attention under a block mask) or sdpa (a dense mask; CPU); auto: triton on GPUs "
-      "where its shapes fit (else flex), sdpa on CPU")
+      "block sees), flex (flex_attention under a block mask) or sdpa (a dense mask; CPU); auto: triton on Hopper "
+      "GPUs where its shapes fit (else flex), sdpa on CPU")
     a("--compile-target", action=argparse.BooleanOptionalAction, default=None,
       help="compile the target's decoder layers (inductor) before the stage is warmed up (and, with --compile, "
       "captured); same features. Default: on with --compile on GPUs")
@@ -2911,8 +2911,9 @@ def resolve_settings(args):
 
 def drafter_attention(args, devices, tc):
     """The drafter's training attention: what --drafter-attention says, auto resolved for the
-    devices and shapes. On GPUs the Triton kernels make the step faster than flex_attention's
-    (docs/benchmarks.md, twenty-third session) where they fit the shapes; SDPA on CPU."""
+    devices and shapes. On Hopper GPUs (where their settings were chosen) the Triton kernels make
+    the step faster than flex_attention (docs/benchmarks.md, twenty-third session) where they fit
+    the shapes; flex on other GPUs; SDPA on CPU."""
     gpu = devices[0].type == "cuda"
     fits = gpu and dm.block_attention_fits(*dm.attention_shape(tc), args.block_size)
     if args.drafter_attention == "triton" and not fits:
@@ -2920,7 +2921,10 @@ def drafter_attention(args, devices, tc):
                          "of two from 16 to 128 and at most 128 query heads x block slots per KV head")
     if args.drafter_attention != "auto":
         return args.drafter_attention
-    return ("triton" if fits else "flex") if gpu else "sdpa"
+    if not gpu:
+        return "sdpa"
+    hopper = all(dm.cuda_capability(str(d)) == (9, 0) for d in devices)
+    return "triton" if fits and hopper else "flex"
 
 
 def write_log_line(log_file, msg, echo=print):

@@ -712,8 +712,10 @@ def test_drafter_attention_auto_is_sdpa_on_cpu_and_triton_refused(tiny_model_dir
         tp.resolve_settings(tp.build_parser().parse_args(["--target-model", tiny_model_dir, "--drafter-attention", "triton"]))
 
 
-def test_drafter_attention_auto_is_triton_on_gpus_where_its_shapes_fit(monkeypatch):
+def test_drafter_attention_auto_is_triton_on_hopper_gpus_where_its_shapes_fit(monkeypatch):
     monkeypatch.setattr(dm, "triton", object())  # installed or not here: the choice is what is tested
+    capability = {"cuda:0": (9, 0), "cuda:1": (9, 0)}
+    monkeypatch.setattr(dm, "cuda_capability", lambda device: capability[device])
     parser = tp.build_parser()
     gpu, cpu = [torch.device("cuda", 0)], [torch.device("cpu")]
     qwen3_8b = types.SimpleNamespace(num_attention_heads=32, num_key_value_heads=8, head_dim=128, hidden_size=4096)
@@ -729,5 +731,11 @@ def test_drafter_attention_auto_is_triton_on_gpus_where_its_shapes_fit(monkeypat
         with pytest.raises(tp.UsageError, match="--drafter-attention triton needs"):
             choose(argv + ["--drafter-attention", "triton"], gpu, tc)
     assert choose(["--block-size", "32"], gpu) == "triton"  # 4 x 32: 128 rows
+    # its settings were chosen on an H200: on other GPUs (or any drafter GPU not Hopper) auto
+    # takes flex, and triton is still there when asked for
+    two = [torch.device("cuda", 0), torch.device("cuda", 1)]
+    assert choose([], two) == "triton"
+    capability["cuda:1"] = (8, 0)
+    assert choose([], two) == "flex" and choose(["--drafter-attention", "triton"], two) == "triton"
     monkeypatch.setattr(dm, "triton", None)
     assert choose([], gpu) == "flex"
