@@ -9,6 +9,8 @@ their names took about 11 ms (docs/benchmarks.md, twenty-third session). Three w
   inside   today: cos/sin = the rotary embedding of the positions, inside the compiled function
   table    cos/sin gathered from a [positions, head_dim] table built outside it
   given    cos/sin [B, Q, head_dim] built outside it and passed in
+  opaque   as inside, then through an opaque copy (a custom op): inductor has to compute them once
+           per position, into a buffer, instead of in each consumer
 
     python scripts/experiments/rope_recompute.py [--device cpu --rows 1 --positions 256]
 
@@ -21,6 +23,16 @@ import dflash_model as dm
 from scripts.benchmark import PRESETS, time_cuda
 from transformers import Qwen3Config
 from transformers.models.qwen3.modeling_qwen3 import Qwen3RotaryEmbedding
+
+
+@torch.library.custom_op("dflash_experiment::computed_once", mutates_args=())
+def computed_once(cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return cos.clone(), sin.clone()
+
+
+@computed_once.register_fake
+def _(cos, sin):
+    return torch.empty_like(cos), torch.empty_like(sin)
 
 
 def main():
@@ -54,6 +66,7 @@ def main():
         "inside": lambda pos: q_path(*rotary(x32, pos)),
         "table": lambda pos: q_path(table_cos[pos], table_sin[pos]),
         "given": lambda pos, cs=rotary(x32, positions): q_path(*cs),
+        "opaque": lambda pos: q_path(*computed_once(*rotary(x32, pos))),
     }
     ref = None
     for name, fn in ways.items():
