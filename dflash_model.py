@@ -391,6 +391,7 @@ def block_attention_fits(heads, kv_heads, head_dim, block_size):
     return (triton is not None and 16 <= head_dim <= 128 and not head_dim & (head_dim - 1)
             and heads % kv_heads == 0 and heads // kv_heads * block_size <= 128)
 
+
 if triton is not None:
     @triton.jit
     def _block_rows(blk, b, kvh, NKV, A, G: tl.constexpr, BS: tl.constexpr, BLOCK_M: tl.constexpr):
