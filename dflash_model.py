@@ -407,6 +407,11 @@ if triton is not None:
         return (base + pos * stride)[:, None] + d[None, :]
 
     @triton.jit
+    def _base2(sm_scale):
+        """The scores' scale in base 2: the kernels take exp2 and log2 of scores times it."""
+        return sm_scale * 1.4426950408889634  # log2(e)
+
+    @triton.jit
     def _key_tile(k_head, v_head, keys, key_ok, sks, svs, d):
         kt = tl.load(_rows(k_head, keys, sks, d), mask=key_ok[:, None], other=0.0)
         vt = tl.load(_rows(v_head, keys, svs, d), mask=key_ok[:, None], other=0.0)
@@ -438,7 +443,7 @@ if triton is not None:
         b, kvh = (bh // NKV).to(tl.int64), bh % NKV
         row_ok, head, pos, row_stat = _block_rows(blk, b, kvh, NKV, A, G, BS, BLOCK_M)
         d = tl.arange(0, D)
-        qk_scale = sm_scale * 1.4426950408889634  # scores in base 2: exp2 instead of exp
+        qk_scale = _base2(sm_scale)
         qt = tl.load(_rows(q + b * sqb + head * sqh, pos, sqs, d), mask=row_ok[:, None], other=0.0)
         k_head, v_head = k + b * skb + kvh * skh, v + b * svb + kvh * svh
         start, end = tl.load(starts + b * A + blk), tl.load(anchors + b * A + blk)
@@ -469,7 +474,7 @@ if triton is not None:
         b, kvh = (bh // NKV).to(tl.int64), bh % NKV
         row_ok, head, pos, row_stat = _block_rows(blk, b, kvh, NKV, A, G, BS, BLOCK_M)
         d = tl.arange(0, D)
-        qk_scale = sm_scale * 1.4426950408889634
+        qk_scale = _base2(sm_scale)
         qt = tl.load(_rows(q + b * sqb + head * sqh, pos, sqs, d), mask=row_ok[:, None], other=0.0)
         do_t = tl.load(_rows(dout + b * sgb + head * sgh, pos, sgs, d), mask=row_ok[:, None], other=0.0)
         ot = tl.load(_rows(out + b * sob + head * soh, pos, sos, d), mask=row_ok[:, None], other=0.0)
@@ -509,7 +514,7 @@ if triton is not None:
         tile, bh = tl.program_id(0), tl.program_id(1)
         b, kvh = (bh // NKV).to(tl.int64), bh % NKV
         d = tl.arange(0, D)
-        qk_scale = sm_scale * 1.4426950408889634
+        qk_scale = _base2(sm_scale)
         keys = tile * BLOCK_N + tl.arange(0, BLOCK_N)
         key_ok = keys < L
         kt, vt = _key_tile(k + b * skb + kvh * skh, v + b * svb + kvh * svh, keys, key_ok, sks, svs, d)
