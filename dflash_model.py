@@ -345,10 +345,13 @@ def cuda_capability(device: str):
     return torch.cuda.get_device_capability(device)
 
 
+def hopper(device):
+    """Whether device is a Hopper GPU (sm90: H100, H200), where the kernel settings here were measured."""
+    return device.type == "cuda" and cuda_capability(str(device)) == (9, 0)
+
+
 def flex_kernel_options(device, head_dim):
-    if device.type == "cuda" and head_dim in (64, 128) and cuda_capability(str(device)) == (9, 0):
-        return SM90_FLEX_BACKWARD
-    return None
+    return SM90_FLEX_BACKWARD if head_dim in (64, 128) and hopper(device) else None
 
 
 def flex_attend(anchors, doc_ids, block_size):

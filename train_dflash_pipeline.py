@@ -2905,26 +2905,25 @@ def resolve_settings(args):
         dm.check_target_layer_ids(args.layer_ids, tc.num_hidden_layers)
     except ValueError as e:
         raise UsageError(f"--target-layer-ids: {e}") from None
-    args.attention = drafter_attention(args, drafter_devices, tc)
+    args.attention = drafter_attention(args.drafter_attention, drafter_devices, tc, args.block_size)
     return target_devices, drafter_devices, tc
 
 
-def drafter_attention(args, devices, tc):
-    """The drafter's training attention: what --drafter-attention says, auto resolved for the
+def drafter_attention(choice, devices, tc, block_size):
+    """The drafter's training attention: --drafter-attention's choice, auto resolved for the
     devices and shapes. On Hopper GPUs (where their settings were chosen) the Triton kernels make
     the step faster than flex_attention (docs/benchmarks.md, twenty-third session) where they fit
     the shapes; flex on other GPUs; SDPA on CPU."""
     gpu = devices[0].type == "cuda"
-    fits = gpu and dm.block_attention_fits(*dm.attention_shape(tc), args.block_size)
-    if args.drafter_attention == "triton" and not fits:
+    fits = gpu and dm.block_attention_fits(*dm.attention_shape(tc), block_size)
+    if choice == "triton" and not fits:
         raise UsageError("--drafter-attention triton needs CUDA drafter GPUs, the triton package, head_dim a power "
                          "of two from 16 to 128 and at most 128 query heads x block slots per KV head")
-    if args.drafter_attention != "auto":
-        return args.drafter_attention
+    if choice != "auto":
+        return choice
     if not gpu:
         return "sdpa"
-    hopper = all(dm.cuda_capability(str(d)) == (9, 0) for d in devices)
-    return "triton" if fits and hopper else "flex"
+    return "triton" if fits and all(dm.hopper(d) for d in devices) else "flex"
 
 
 def write_log_line(log_file, msg, echo=print):

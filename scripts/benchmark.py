@@ -562,8 +562,7 @@ def main():
     target_devs = [f"cuda:{i}" for i in (a.target_gpus or "0").split(",")]
     drafter_devs = [f"cuda:{i}" for i in (a.drafter_gpus or ("1" if n_gpu >= 2 else "0")).split(",")]
     target_dev, drafter_dev = target_devs[0], drafter_devs[0]
-    a.drafter_attention = tp.drafter_attention(types.SimpleNamespace(drafter_attention=a.drafter_attention,
-                                                                     block_size=a.block), [torch.device(drafter_dev)], cfg)
+    a.drafter_attention = tp.drafter_attention(a.drafter_attention, [torch.device(drafter_dev)], cfg, a.block)
     n_used = len(set(target_devs + drafter_devs))
     features_dim = len(layer_ids) * cfg.hidden_size
     lines = []

@@ -719,7 +719,9 @@ def test_drafter_attention_auto_is_triton_on_hopper_gpus_where_its_shapes_fit(mo
     parser = tp.build_parser()
     gpu, cpu = [torch.device("cuda", 0)], [torch.device("cpu")]
     qwen3_8b = types.SimpleNamespace(num_attention_heads=32, num_key_value_heads=8, head_dim=128, hidden_size=4096)
-    choose = lambda argv, devices, tc=qwen3_8b: tp.drafter_attention(parser.parse_args(argv), devices, tc)  # noqa: E731
+    def choose(argv, devices, tc=qwen3_8b):
+        args = parser.parse_args(argv)
+        return tp.drafter_attention(args.drafter_attention, devices, tc, args.block_size)
     assert choose([], gpu) == "triton" and choose([], cpu) == "sdpa"
     assert choose(["--drafter-attention", "flex"], gpu) == "flex"
     # past what the kernels were measured on: 256-wide heads (Gemma 3), 4 query heads x 64 slots
