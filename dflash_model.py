@@ -151,6 +151,19 @@ def apply_rope(x, cos, sin):
     return x * cos + rotate_half(x) * sin
 
 
+@torch.library.custom_op("dflash::computed_once", mutates_args=())
+def computed_once(cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """RoPE's cos/sin as an opaque copy. Compiled, inductor fuses their computation into every
+    consumer, so once per head, and again in the backward; an op it cannot see into makes it
+    compute them once per position, into a buffer."""
+    return cos.clone(), sin.clone()
+
+
+@computed_once.register_fake
+def _(cos, sin):
+    return torch.empty_like(cos), torch.empty_like(sin)
+
+
 class MLP(nn.Module):
     def __init__(self, config):
         super().__init__()
@@ -851,13 +864,13 @@ class DFlashDraftModel(nn.Module):
     def context_kv(self, target_hidden, positions):
         """Per-layer keys/values of the context: hidden_norm(fc(features)) through each k/v_proj."""
         ctx = self.hidden_norm(self.fc(target_hidden))
-        cos, sin = self.rotary_emb(ctx, positions)
+        cos, sin = computed_once(*self.rotary_emb(ctx, positions))
         return [layer.self_attn.context_kv(ctx, cos, sin) for layer in self.layers]
 
     def draft_hidden(self, block_ids, block_positions, ctx_kv, attend):
         """Final-norm hidden states of the block slots; logits are these @ lm_head_weight.T."""
         x = self.embed_tokens(block_ids).to(self.fc.weight.dtype)
-        cos, sin = self.rotary_emb(x, block_positions)
+        cos, sin = computed_once(*self.rotary_emb(x, block_positions))
         for layer, (k, v) in zip(self.layers, ctx_kv):
             x = layer(x, cos, sin, k, v, attend)
         return self.norm(x)

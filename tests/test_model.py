@@ -626,6 +626,30 @@ def test_training_step_compiles_fullgraph_and_its_trace_does_not_grow_with_chunk
     assert node_counts[0] == node_counts[1], node_counts
 
 
+def test_compiled_step_computes_rope_cos_sin_once_per_position():
+    # Fused into its consumers, RoPE's cos/sin were computed once per head in the forward and
+    # again in the backward's kernels (12 calls of cos in this step's output code, 7 of them in
+    # the backward). Through dm.computed_once: at most one per call site (context, block), in the
+    # forward, and the loss and gradients stay eager's.
+    from torch._inductor.utils import run_and_get_code
+    torch._dynamo.reset()
+    target = tiny_target(dtype=torch.float32)
+    drafter = make_drafter(target).float().train()
+    ids, doc, pos, feats = packed_row(target, drafter, [20, 12], pad=0)
+    feats, mask, noise = feats.detach().float(), torch.ones(1, 32), torch.rand(1, 32)
+
+    def loss_and_grads(step):
+        drafter.zero_grad()
+        loss, _ = step(feats, ids, mask, doc, pos, noise, num_anchors=8)
+        loss.backward()
+        return loss.detach(), [p.grad.clone() for p in drafter.parameters()]
+    want = loss_and_grads(drafter)
+    got, code = run_and_get_code(loss_and_grads, torch.compile(drafter, fullgraph=True, dynamic=False))
+    torch.testing.assert_close(got, want)
+    cos_calls = [len(re.findall(r"\.cos\(\)|std::cos\(|math\.cos\(", c)) for c in code]
+    assert "_forward']" in code[0] and cos_calls[0] <= 2 and sum(cos_calls[1:]) == 0, cos_calls  # then the backward's
+
+
 def test_flex_training_forward_compiles_fullgraph_and_matches_sdpa():
     # The GPU step's attention path traced whole as in --compile (flex_block_mask and
     # flex_attention inside the model), forward only: flex_attention has no backward on CPU.
