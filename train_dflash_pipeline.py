@@ -1253,6 +1253,23 @@ def compile_every_worker_or_fail():
     cfg.fail_on_recompile_limit_hit = True
 
 
+class GradInto(torch.autograd.Function):
+    """A parameter, as itself; in the backward its gradient is copied into `into`, its view of the
+    flat gradient buffer, instead of accumulated into .grad. So the buffer needs no zeroing and
+    no add per parameter, and compiled, the gradient's cast to fp32 and its store are one kernel.
+    Every parameter gets a gradient every step (a test checks it), so no view keeps a stale one."""
+
+    @staticmethod
+    def forward(ctx, param, into):
+        ctx.into = into  # not save_for_backward: each copy bumps the version counter all the views share
+        return param.view_as(param)
+
+    @staticmethod
+    def backward(ctx, grad):
+        ctx.into.copy_(grad)
+        return None, None
+
+
 class DrafterWorker:
     """Owns a drafter replica, its stream, optimizer and flat gradient buffer. Each step is
     forward+backward -> gradient averaging -> clip + AdamW. With --compile the step is compiled,
@@ -1273,6 +1290,7 @@ class DrafterWorker:
         for p in params:
             p.grad = self.flat_grad[at:at + p.numel()].view_as(p)
             at += p.numel()
+        self.grad_into = [(name, p, p.grad) for name, p in drafter.named_parameters()]
         cuda = device.type == "cuda"
         # A tensor learning rate, so a captured optimizer step reads the scheduled value.
         self.lr = torch.tensor(args.lr, device=device) if cuda else args.lr
@@ -1300,11 +1318,14 @@ class DrafterWorker:
             else nullcontext()
 
     def compute_loss(self, features, input_ids, loss_mask, doc_ids, position_ids, anchor_noise):
+        """The loss and stats; its backward writes the gradients into the flat buffer (GradInto)."""
         a = self.args
+        params = {name: GradInto.apply(p, into) for name, p, into in self.grad_into}
         with self.autocast():
-            return self.drafter(features, input_ids, loss_mask, doc_ids, position_ids, anchor_noise,
-                                num_anchors=a.num_anchors, gamma=a.loss_decay_gamma,
-                                ce_chunk_size=a.ce_chunk_size, attention=a.attention)
+            return torch.func.functional_call(
+                self.drafter, params, (features, input_ids, loss_mask, doc_ids, position_ids, anchor_noise),
+                dict(num_anchors=a.num_anchors, gamma=a.loss_decay_gamma, ce_chunk_size=a.ce_chunk_size,
+                     attention=a.attention))
 
     def accepted_lengths(self, *batch):
         a = self.args
@@ -1316,8 +1337,7 @@ class DrafterWorker:
             return accepted_lengths_everywhere(self.drafter, *batch, chunk, a.ce_chunk_size, a.attention)
 
     def forward_backward(self, inputs):
-        self.flat_grad.zero_()
-        loss, stats = self.loss_fn(*inputs)
+        loss, stats = self.loss_fn(*inputs)  # the backward overwrites every gradient: no zeroing
         loss.backward()
         return loss.detach(), stats
 

@@ -413,6 +413,37 @@ def test_compiled_workers_never_fall_back_to_eager_silently():
         torch._dynamo.reset()
 
 
+@pytest.mark.parametrize("compile", [False, True])
+def test_the_step_writes_every_gradient_into_the_flat_buffer(compile):
+    # The backward overwrites each parameter's view of the flat buffer (tp.GradInto): no zeroing
+    # before it, nothing accumulated into .grad. Pre-filled with 7, the buffer must end up holding
+    # autograd's gradients of the same loss, eager and compiled (the GPU step's inductor path).
+    from conftest import tiny_target
+    torch._dynamo.reset()
+    target = tiny_target(dtype=torch.float32)
+    drafter = dm.DFlashDraftModel(dm.make_drafter_config(target.config, mask_token_id=1, num_draft_layers=2,
+                                                         block_size=4)).attach_target(target)
+    args = tp.build_parser().parse_args(["--max-length", "48", "--token-budget", "96", "--num-anchors", "6"]
+                                        + (["--compile"] if compile else []))
+    args.attention = "sdpa"
+    worker = tp.DrafterWorker(0, torch.device("cpu"), drafter, args, tp.GradAverager(1), types.SimpleNamespace(log=print))
+    g = torch.Generator().manual_seed(0)
+    R, L, F = 2, 48, len(drafter.target_layer_ids) * target.config.hidden_size
+    doc = (torch.arange(L) >= 30).long().expand(R, L)
+    inputs = [torch.randn(R, L, F, generator=g), torch.randint(0, 100, (R, L), generator=g), torch.ones(R, L),
+              doc, torch.where(doc == 0, torch.arange(L), torch.arange(L) - 30), torch.rand(R, L, generator=g)]
+    params = list(drafter.parameters())
+    loss, _ = drafter(*inputs, num_anchors=6, gamma=args.loss_decay_gamma, ce_chunk_size=args.ce_chunk_size)
+    want = torch.autograd.grad(loss, params)
+    worker.flat_grad.fill_(7.0)
+    got_loss, _ = worker.forward_backward(inputs)
+    torch.testing.assert_close(got_loss, loss.detach())
+    assert all(p.grad.data_ptr() == into.data_ptr() for _, p, into in worker.grad_into)  # still the buffer's views
+    for (name, p, _), w in zip(worker.grad_into, want):
+        torch.testing.assert_close(p.grad, w, msg=name)
+    torch._dynamo.reset()
+
+
 def spy_on_batches(monkeypatch):
     """The batches the run is fed, in order (a hash of each batch's ids)."""
     seen = []
