@@ -175,6 +175,10 @@ class MLP(nn.Module):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
+def same_rows(t):
+    return t
+
+
 class DraftAttention(nn.Module):
     """Queries from the block; keys/values = concat(context, block) through the same k/v_proj."""
 
@@ -191,25 +195,27 @@ class DraftAttention(nn.Module):
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
 
-    def _kv(self, x, cos, sin):
-        B, S, _ = x.shape
-        k = self.k_norm(self.k_proj(x).view(B, S, self.num_kv_heads, self.head_dim)).transpose(1, 2)
-        v = self.v_proj(x).view(B, S, self.num_kv_heads, self.head_dim).transpose(1, 2)
+    def _kv(self, x, cos, sin, spread=same_rows):
+        B, S = cos.shape[:2]
+        k = self.k_norm(spread(self.k_proj(x)).view(B, S, self.num_kv_heads, self.head_dim)).transpose(1, 2)
+        v = spread(self.v_proj(x)).view(B, S, self.num_kv_heads, self.head_dim).transpose(1, 2)
         return apply_rope(k, cos, sin), v
 
     def context_kv(self, context, cos, sin):
         """Keys/values of the context (the drafter's KV cache holds exactly these)."""
         return self._kv(context, cos, sin)
 
-    def forward(self, x, cos, sin, ctx_k, ctx_v, attend):
-        B, Q, _ = x.shape
-        q = self.q_norm(self.q_proj(x).view(B, Q, self.num_heads, self.head_dim)).transpose(1, 2)
+    def forward(self, x, cos, sin, ctx_k, ctx_v, attend, spread=same_rows, keep=same_rows):
+        """x: the block's rows, or with `spread` only its distinct rows (spread maps their
+        projections onto the block's rows); `keep`: the rows whose output is wanted."""
+        B, Q = cos.shape[:2]
+        q = self.q_norm(spread(self.q_proj(x)).view(B, Q, self.num_heads, self.head_dim)).transpose(1, 2)
         q = apply_rope(q, cos, sin)
-        blk_k, blk_v = self._kv(x, cos, sin)
+        blk_k, blk_v = self._kv(x, cos, sin, spread)
         k = torch.cat([ctx_k, blk_k], dim=2)
         v = torch.cat([ctx_v, blk_v], dim=2)
         out = attend(q, k, v)  # [B, heads, Q, head_dim]
-        return self.o_proj(out.transpose(1, 2).reshape(B, Q, -1))
+        return self.o_proj(keep(out.transpose(1, 2).reshape(B, Q, -1)))
 
 
 class DraftLayer(nn.Module):
@@ -220,8 +226,11 @@ class DraftLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, x, cos, sin, ctx_k, ctx_v, attend):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, ctx_k, ctx_v, attend)
+    def forward(self, x, cos, sin, ctx_k, ctx_v, attend, rows=None, spread=same_rows, keep=same_rows):
+        """rows, spread: the distinct rows of x (x = spread(rows)), projected once each; keep: the
+        rows carried past the attention (DraftAttention.forward)."""
+        h = self.input_layernorm(x if rows is None else rows)
+        x = keep(x) + self.self_attn(h, cos, sin, ctx_k, ctx_v, attend, spread, keep)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -867,13 +876,32 @@ class DFlashDraftModel(nn.Module):
         cos, sin = computed_once(*self.rotary_emb(ctx, positions))
         return [layer.self_attn.context_kv(ctx, cos, sin) for layer in self.layers]
 
-    def draft_hidden(self, block_ids, block_positions, ctx_kv, attend):
-        """Final-norm hidden states of the block slots; logits are these @ lm_head_weight.T."""
-        x = self.embed_tokens(block_ids).to(self.fc.weight.dtype)
-        cos, sin = computed_once(*self.rotary_emb(x, block_positions))
-        for layer, (k, v) in zip(self.layers, ctx_kv):
-            x = layer(x, cos, sin, k, v, attend)
-        return self.norm(x)
+    def draft_hidden(self, anchor_ids, block_positions, ctx_kv, attend):
+        """Final-norm hidden states [B, A, bs - 1, H] of the predicting slots (1..) of the blocks
+        whose slot 0 holds anchor_ids [B, A] and every other slot the mask token; block_positions
+        [B, A * bs]. Logits are these @ lm_head_weight.T.
+
+        The first layer projects each distinct input row once: each block's anchor row, and one
+        mask row for all blocks (its bs - 1 mask rows are the same vector until the attention). The
+        last layer carries only the predicting slots past its attention: slot 0's output is
+        never read."""
+        B, A = anchor_ids.shape
+        bs, last = self.block_size, len(self.layers) - 1
+        mask = torch.full((1,), self.mask_token_id, dtype=anchor_ids.dtype, device=anchor_ids.device)
+        rows = self.embed_tokens(torch.cat([anchor_ids.reshape(-1), mask])).to(self.fc.weight.dtype)
+
+        def spread(t):  # [B * A + 1, n] (anchor rows, then the mask row) -> [B, A * bs, n]
+            return torch.cat([t[:-1].view(B, A, 1, -1), t[-1:].expand(B * A, bs - 1, -1).view(B, A, bs - 1, -1)],
+                             2).view(B, A * bs, -1)
+
+        def predicting(t):  # [B, A * bs, n] -> [B, A * (bs - 1), n]
+            return t.view(B, A, bs, -1)[:, :, 1:].reshape(B, A * (bs - 1), -1)
+        cos, sin = computed_once(*self.rotary_emb(rows, block_positions))
+        x = spread(rows)
+        for i, (layer, (k, v)) in enumerate(zip(self.layers, ctx_kv)):
+            x = layer(x, cos, sin, k, v, attend, **(dict(rows=rows, spread=spread) if i == 0 else {}),
+                      **(dict(keep=predicting) if i == last else {}))
+        return self.norm(x).view(B, A, bs - 1, -1)
 
     # --- training ---------------------------------------------------------------------------
 
@@ -890,12 +918,11 @@ class DFlashDraftModel(nn.Module):
         return anchors, valid.gather(1, anchors)
 
     def block_hidden(self, target_hidden, input_ids, doc_ids, position_ids, anchors, attention="sdpa"):
-        """Hidden states [B, A*bs, H] of the blocks at `anchors` [B, A] (training forward)."""
+        """Hidden states [B, A, bs - 1, H] of the predicting slots of the blocks at `anchors` [B, A]
+        (training forward)."""
         bs = self.block_size
         B, A = anchors.shape
         slot = torch.arange(bs, device=anchors.device)
-        block_ids = torch.full((B, A, bs), self.mask_token_id, dtype=input_ids.dtype, device=input_ids.device)
-        block_ids[:, :, 0] = input_ids.gather(1, anchors)
         block_pos = position_ids.gather(1, anchors)[:, :, None] + slot
         if attention == "triton":
             attend = block_attend(anchors, doc_ids, bs)
@@ -904,7 +931,7 @@ class DFlashDraftModel(nn.Module):
         else:
             attend = sdpa_attend(dense_block_mask(anchors, doc_ids, bs))
         ctx_kv = self.context_kv(target_hidden, position_ids)
-        return self.draft_hidden(block_ids.view(B, A * bs), block_pos.view(B, A * bs), ctx_kv, attend)
+        return self.draft_hidden(input_ids.gather(1, anchors), block_pos.view(B, A * bs), ctx_kv, attend)
 
     def forward(self, target_hidden, input_ids, loss_mask, doc_ids, position_ids, anchor_noise,
                 num_anchors, gamma=None, ce_chunk_size=4096, attention="sdpa"):
@@ -930,8 +957,7 @@ class DFlashDraftModel(nn.Module):
         B, num_anchors = anchors.shape
         hidden = self.block_hidden(target_hidden, input_ids, doc_ids, position_ids, anchors, attention)
         labels, label_ok = self.block_labels(input_ids, loss_mask, doc_ids, anchors, anchor_valid)
-        # Slot 0 holds the anchor token itself and predicts nothing: it gets no logits.
-        predicting = hidden.view(B, num_anchors, bs, -1)[:, :, 1:].reshape(B * num_anchors * (bs - 1), -1)
+        predicting = hidden.reshape(B * num_anchors * (bs - 1), -1)
         ce, correct = lm_head_ce(predicting, self.lm_head_weight, labels.reshape(-1), ce_chunk_size,
                               torch.is_grad_enabled() and predicting.requires_grad)
         return ce.view(B, num_anchors, bs - 1), correct.view(B, num_anchors, bs - 1), label_ok
@@ -959,7 +985,6 @@ class DFlashDraftModel(nn.Module):
             loss_mask, doc_ids = torch.ones(B, L, device=input_ids.device), torch.zeros_like(input_ids)
             position_ids = torch.arange(L, device=input_ids.device).expand(B, L)
         hidden = self.block_hidden(target_hidden, input_ids, doc_ids, position_ids, anchors, attention)
-        hidden = hidden.view(B, anchors.shape[1], self.block_size, -1)
         labels, label_ok = self.block_labels(input_ids, loss_mask, doc_ids, anchors, torch.ones_like(anchors, dtype=torch.bool))
         tau = torch.ones_like(anchors)
         right_so_far = torch.ones_like(anchors, dtype=torch.bool)
@@ -968,7 +993,7 @@ class DFlashDraftModel(nn.Module):
             if not len(b):
                 break
             draft = torch.cat([(h.to(self.lm_head_weight.dtype) @ self.lm_head_weight.t()).argmax(-1)
-                               for h in hidden[b, a, k].split(ce_chunk_size)])
+                               for h in hidden[b, a, k - 1].split(ce_chunk_size)])
             hit = (draft == labels[b, a, k - 1]) & label_ok[b, a, k - 1]
             tau[b, a] += hit.long()
             right_so_far[b, a] = hit
@@ -997,12 +1022,10 @@ class DFlashDraftModel(nn.Module):
         anchor positions [B] (or one number), given the context cache; attend: which context
         keys each block sees (default: all of them)."""
         bs, dev = self.block_size, self.lm_head_weight.device
-        anchor = torch.as_tensor(anchor_token, device=dev).reshape(-1)
-        block_ids = torch.full((len(anchor), bs), self.mask_token_id, dtype=torch.long, device=dev)
-        block_ids[:, 0] = anchor
+        anchor = torch.as_tensor(anchor_token, device=dev).reshape(-1, 1)
         positions = torch.as_tensor(anchor_position, device=dev).reshape(-1, 1) + torch.arange(bs, device=dev)
-        hidden = self.draft_hidden(block_ids, positions.expand(len(anchor), bs), ctx_kv, attend)
-        return hidden[:, 1:].to(self.lm_head_weight.dtype) @ self.lm_head_weight.t()
+        hidden = self.draft_hidden(anchor, positions.expand(len(anchor), bs), ctx_kv, attend)[:, 0]
+        return hidden.to(self.lm_head_weight.dtype) @ self.lm_head_weight.t()
 
     # --- checkpoint -------------------------------------------------------------------------
 

@@ -57,13 +57,18 @@ def target_flops_per_token(c, layers_run):
 
 
 def drafter_flops_per_step(c, n_feat_layers, draft_layers, rows, length, anchors, block):
-    """Useful training FLOPs: 6 x params x draft positions for the draft layers; the context path
-    (fc: no input grad; k/v projections: forward + both grads); the frozen LM head forward + input
-    grad on the predicting slots 1..block-1 (slot 0 holds the anchor token and gets no logits)."""
+    """Useful training FLOPs: 6 x params x the rows each draft-layer matmul runs on, every draft
+    position, except two that dflash_model.draft_hidden skips: the first layer's q/k/v projections
+    run on one row per anchor and one mask row (the mask rows are one vector there), the last
+    layer's o_proj and MLP on the predicting slots 1..block-1 alone. The context path (fc: no
+    input grad; k/v projections: forward + both grads); the frozen LM head forward + input grad on
+    the predicting slots (slot 0 holds the anchor token and gets no logits)."""
     P = rows * anchors * block
     T = rows * length
-    h, kv = c.hidden_size, c.num_key_value_heads * c.head_dim
-    layers = 6 * linear_params_per_layer(c) * draft_layers * P
+    h, q, kv = c.hidden_size, c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
+    qkv, o_mlp = h * (q + 2 * kv), h * q + 3 * h * c.intermediate_size  # together linear_params_per_layer
+    first_rows, last_rows = rows * anchors + 1, rows * anchors * (block - 1)
+    layers = 6 * (qkv + o_mlp) * draft_layers * P - 6 * qkv * (P - first_rows) - 6 * o_mlp * (P - last_rows)
     context = 4 * n_feat_layers * h * h * T + 6 * 2 * h * kv * draft_layers * T
     head = 4 * h * c.vocab_size * rows * anchors * (block - 1)
     return layers + context + head
@@ -89,7 +94,8 @@ def drafter_attention_flops_per_step(dcfg, batch, anchors, block, draws=8):
 
 
 FORMULA = ("target: 2 * linear_params_per_layer * layers_run per token; drafter per step: "
-           "6 * draft_layer_params * P + (4 * n*H*H + 12 * H*kv_dim * layers) * T + 4 * H * V * P * (block-1)/block, "
+           "6 * draft_layer_params * P - 6 * qkv_params * (P - rows*anchors - 1) - 6 * (o+mlp)_params * rows*anchors "
+           "+ (4 * n*H*H + 12 * H*kv_dim * layers) * T + 4 * H * V * P * (block-1)/block, "
            "P = rows*anchors*block draft positions, T = rows*max_length context tokens; attention excluded")
 
 

@@ -168,15 +168,41 @@ def test_training_forward_matches_inference(arch):
     ids, doc, pos, feats = packed_row(target, drafter, [11, 17, 9], pad=3)
     starts = {0: 0, 1: 11, 2: 28}
     anchors = torch.tensor([[3, 10, 12, 20, 27, 29, 35]])  # several docs; blocks cross doc ends
-    hidden = drafter.block_hidden(feats, ids, doc, pos, anchors)
-    train_logits = (hidden @ drafter.lm_head_weight.t()).view(1, anchors.shape[1], drafter.block_size, -1)
+    train_logits = drafter.block_hidden(feats, ids, doc, pos, anchors) @ drafter.lm_head_weight.t()
     for i, a in enumerate(anchors[0].tolist()):
         d = int(doc[0, a]); p = a - starts[d]
         prefix = ids[0, starts[d]:a]
         f = target_features(target, prefix, drafter.target_layer_ids)[None]
         ctx_kv = drafter.context_kv(f, torch.arange(p)[None])
         infer = drafter.draft_logits(ctx_kv, ids[0, a], p)
-        torch.testing.assert_close(train_logits[0, i, 1:], infer[0], rtol=1e-9, atol=1e-9)
+        torch.testing.assert_close(train_logits[0, i], infer[0], rtol=1e-9, atol=1e-9)
+
+
+@pytest.mark.parametrize("layers", [1, 3])
+def test_block_hidden_equals_every_slot_through_every_layer(layers):
+    """draft_hidden's first layer projects each distinct row once (the anchors' rows, one mask row
+    for all blocks) and its last carries only slots 1.. past the attention: the same hidden
+    states and parameter gradients as every slot of every block run through every layer."""
+    target = tiny_target()
+    drafter = make_drafter(target, layers=layers)
+    ids, doc, pos, feats = packed_row(target, drafter, [11, 17, 9], pad=3)
+    anchors = torch.tensor([[3, 10, 12, 20, 27, 29, 35]])
+    B, A, bs = 1, anchors.shape[1], drafter.block_size
+    block_ids = torch.full((B, A, bs), drafter.mask_token_id)
+    block_ids[:, :, 0] = ids.gather(1, anchors)
+    block_pos = (pos.gather(1, anchors)[:, :, None] + torch.arange(bs)).view(B, A * bs)
+    attend = dm.sdpa_attend(dm.dense_block_mask(anchors, doc, bs))
+    x = drafter.embed_tokens(block_ids.view(B, A * bs))
+    cos, sin = drafter.rotary_emb(x, block_pos)
+    for layer, (k, v) in zip(drafter.layers, drafter.context_kv(feats, pos)):
+        x = layer(x, cos, sin, k, v, attend)
+    want = drafter.norm(x).view(B, A, bs, -1)[:, :, 1:]
+    got = drafter.block_hidden(feats, ids, doc, pos, anchors)
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    weights = torch.randn(want.shape, generator=torch.Generator().manual_seed(0))
+    params = list(drafter.parameters())
+    torch.testing.assert_close(torch.autograd.grad((got * weights).sum(), params),
+                               torch.autograd.grad((want * weights).sum(), params), rtol=1e-10, atol=1e-12)
 
 
 def test_context_leak_would_be_caught():
@@ -202,7 +228,7 @@ def test_loss_weights_and_normalisation_by_hand():
     gamma = 2.0
     loss, stats = drafter(feats, ids, loss_mask, doc, pos, noise, num_anchors=3, gamma=gamma, ce_chunk_size=5)
     anchors = torch.tensor([[5, 6, 10]])
-    logits = (drafter.block_hidden(feats, ids, doc, pos, anchors) @ drafter.lm_head_weight.t()).view(3, 4, -1)
+    logits = (drafter.block_hidden(feats, ids, doc, pos, anchors) @ drafter.lm_head_weight.t())[0]  # [3, slots 1..3, V]
     num = den = 0.0
     for i, a in enumerate([5, 6, 10]):
         for k in range(1, 4):
@@ -211,7 +237,7 @@ def test_loss_weights_and_normalisation_by_hand():
             if t >= L or doc[0, t] != doc[0, a] or loss_mask[0, t] == 0:
                 continue
             w = math.exp(-(k - 1) / gamma)
-            ce = -torch.log_softmax(logits[i, k], -1)[ids[0, t]]
+            ce = -torch.log_softmax(logits[i, k - 1], -1)[ids[0, t]]
             num += w * ce.item(); den += w
     assert den > 0
     assert abs(loss.item() - num / den) < 1e-9
