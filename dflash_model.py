@@ -890,9 +890,12 @@ class DFlashDraftModel(nn.Module):
         mask = torch.full((1,), self.mask_token_id, dtype=anchor_ids.dtype, device=anchor_ids.device)
         rows = self.embed_tokens(torch.cat([anchor_ids.reshape(-1), mask])).to(self.fc.weight.dtype)
 
+        slot0 = (torch.arange(bs, device=anchor_ids.device) == 0).view(1, 1, bs, 1)
+
         def spread(t):  # [B * A + 1, n] (anchor rows, then the mask row) -> [B, A * bs, n]
-            return torch.cat([t[:-1].view(B, A, 1, -1), t[-1:].expand(B * A, bs - 1, -1).view(B, A, bs - 1, -1)],
-                             2).view(B, A * bs, -1)
+            # a broadcast: its backward is a sum (a cat of an expanded view made torch 2.11's
+            # inductor write Triton code that does not compile)
+            return torch.where(slot0, t[:-1].view(B, A, 1, -1), t[-1].view(1, 1, 1, -1)).view(B, A * bs, -1)
 
         def predicting(t):  # [B, A * bs, n] -> [B, A * (bs - 1), n]
             return t.view(B, A, bs, -1)[:, :, 1:].reshape(B, A * (bs - 1), -1)
