@@ -889,16 +889,16 @@ class DFlashDraftModel(nn.Module):
         bs, last = self.block_size, len(self.layers) - 1
         mask = torch.full((1,), self.mask_token_id, dtype=anchor_ids.dtype, device=anchor_ids.device)
         rows = self.embed_tokens(torch.cat([anchor_ids.reshape(-1), mask])).to(self.fc.weight.dtype)
-
         slot0 = (torch.arange(bs, device=anchor_ids.device) == 0).view(1, 1, bs, 1)
 
         def spread(t):  # [B * A + 1, n] (anchor rows, then the mask row) -> [B, A * bs, n]
-            # a broadcast: its backward is a sum (a cat of an expanded view made torch 2.11's
-            # inductor write Triton code that does not compile)
+            # a broadcast, whose backward sums the mask rows (a cat of an expanded view: torch
+            # 2.11's inductor wrote a Triton kernel that does not compile)
             return torch.where(slot0, t[:-1].view(B, A, 1, -1), t[-1].view(1, 1, 1, -1)).view(B, A * bs, -1)
 
         def predicting(t):  # [B, A * bs, n] -> [B, A * (bs - 1), n]
             return t.view(B, A, bs, -1)[:, :, 1:].reshape(B, A * (bs - 1), -1)
+
         cos, sin = computed_once(*self.rotary_emb(rows, block_positions))
         x = spread(rows)
         for i, (layer, (k, v)) in enumerate(zip(self.layers, ctx_kv)):

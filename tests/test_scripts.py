@@ -464,3 +464,30 @@ def test_benchmark_counts_the_attention_pairs_the_mask_lets_through():
         noise = torch.rand(doc.shape, generator=torch.Generator().manual_seed(seed))
         anchors, _ = dm.DFlashDraftModel.select_anchors(noise, mask, doc, 5)
         assert bm.attention_pairs(anchors, doc, 4) == int(dm.dense_block_mask(anchors, doc, 4).sum())
+
+
+@pytest.mark.parametrize("layers", [1, 3])
+def test_benchmark_drafter_flops_are_the_matmuls_the_step_runs(layers):
+    # The MFU the benchmark prints divides a formula by the step time; the formula must count the
+    # matmuls the step really runs (draft_hidden skips the first layer's mask rows and the last
+    # layer's slot 0). Counted here on the CPU: every mm/addmm of the block hidden states'
+    # forward and backward, plus the LM head's forward and input gradient (inside the opaque
+    # lm_head_ce op, so given by its shapes).
+    from scripts import benchmark as bm
+    from torch.utils.flop_counter import FlopCounterMode
+    target = tiny_target(dtype=torch.float32)
+    bs, A, L = 4, 7, 40
+    drafter = dm.DFlashDraftModel(dm.make_drafter_config(target.config, mask_token_id=1, num_draft_layers=layers,
+                                                         block_size=bs)).attach_target(target)
+    g = torch.Generator().manual_seed(0)
+    feats = torch.randn(1, L, len(drafter.target_layer_ids) * target.config.hidden_size, generator=g)
+    ids, doc, pos = torch.randint(2, 100, (1, L), generator=g), torch.zeros(1, L, dtype=torch.long), torch.arange(L)[None]
+    anchors = torch.sort(torch.randperm(L - 1, generator=g)[:A]).values[None]
+    with FlopCounterMode(display=False) as counter:
+        hidden = drafter.block_hidden(feats, ids, doc, pos, anchors)
+        hidden.backward(torch.randn(hidden.shape, generator=g))
+    counted = sum(f for op, f in counter.get_flop_counts()["Global"].items()
+                  if op in (torch.ops.aten.mm, torch.ops.aten.addmm))
+    c = target.config
+    head = 4 * c.hidden_size * c.vocab_size * A * (bs - 1)
+    assert counted + head == bm.drafter_flops_per_step(c, len(drafter.target_layer_ids), layers, 1, L, A, bs)
