@@ -226,11 +226,11 @@ class DraftLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, x, cos, sin, ctx_k, ctx_v, attend, rows=None, spread=same_rows, keep=same_rows):
-        """rows, spread: the distinct rows of x (x = spread(rows)), projected once each; keep: the
-        rows carried past the attention (DraftAttention.forward)."""
-        h = self.input_layernorm(x if rows is None else rows)
-        x = keep(x) + self.self_attn(h, cos, sin, ctx_k, ctx_v, attend, spread, keep)
+    def forward(self, x, cos, sin, ctx_k, ctx_v, attend, spread=same_rows, keep=same_rows):
+        """spread: x holds only the block's distinct rows, each normed and projected once (spread
+        maps them onto the block's rows); keep: the rows carried past the attention."""
+        x, h = keep(spread(x)), self.input_layernorm(x)
+        x = x + self.self_attn(h, cos, sin, ctx_k, ctx_v, attend, spread, keep)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -873,8 +873,12 @@ class DFlashDraftModel(nn.Module):
     def context_kv(self, target_hidden, positions):
         """Per-layer keys/values of the context: hidden_norm(fc(features)) through each k/v_proj."""
         ctx = self.hidden_norm(self.fc(target_hidden))
-        cos, sin = computed_once(*self.rotary_emb(ctx, positions))
+        cos, sin = self.rope(ctx, positions)
         return [layer.self_attn.context_kv(ctx, cos, sin) for layer in self.layers]
+
+    def rope(self, x, positions):
+        """RoPE's (cos, sin) at positions, in x's dtype, computed once per position when compiled."""
+        return computed_once(*self.rotary_emb(x, positions))
 
     def draft_hidden(self, anchor_ids, block_positions, ctx_kv, attend):
         """Final-norm hidden states [B, A, bs - 1, H] of the predicting slots (1..) of the blocks
@@ -888,7 +892,7 @@ class DFlashDraftModel(nn.Module):
         B, A = anchor_ids.shape
         bs, last = self.block_size, len(self.layers) - 1
         mask = torch.full((1,), self.mask_token_id, dtype=anchor_ids.dtype, device=anchor_ids.device)
-        rows = self.embed_tokens(torch.cat([anchor_ids.reshape(-1), mask])).to(self.fc.weight.dtype)
+        x = self.embed_tokens(torch.cat([anchor_ids.reshape(-1), mask])).to(self.fc.weight.dtype)  # distinct rows
         slot0 = (torch.arange(bs, device=anchor_ids.device) == 0).view(1, 1, bs, 1)
 
         def spread(t):  # [B * A + 1, n] (anchor rows, then the mask row) -> [B, A * bs, n]
@@ -899,11 +903,10 @@ class DFlashDraftModel(nn.Module):
         def predicting(t):  # [B, A * bs, n] -> [B, A * (bs - 1), n]
             return t.view(B, A, bs, -1)[:, :, 1:].reshape(B, A * (bs - 1), -1)
 
-        cos, sin = computed_once(*self.rotary_emb(rows, block_positions))
-        x = spread(rows)
+        cos, sin = self.rope(x, block_positions)
         for i, (layer, (k, v)) in enumerate(zip(self.layers, ctx_kv)):
-            x = layer(x, cos, sin, k, v, attend, **(dict(rows=rows, spread=spread) if i == 0 else {}),
-                      **(dict(keep=predicting) if i == last else {}))
+            x = layer(x, cos, sin, k, v, attend, spread=spread if i == 0 else same_rows,
+                      keep=predicting if i == last else same_rows)
         return self.norm(x).view(B, A, bs - 1, -1)
 
     # --- training ---------------------------------------------------------------------------
@@ -960,7 +963,7 @@ class DFlashDraftModel(nn.Module):
         B, num_anchors = anchors.shape
         hidden = self.block_hidden(target_hidden, input_ids, doc_ids, position_ids, anchors, attention)
         labels, label_ok = self.block_labels(input_ids, loss_mask, doc_ids, anchors, anchor_valid)
-        predicting = hidden.reshape(B * num_anchors * (bs - 1), -1)
+        predicting = hidden.flatten(0, 2)
         ce, correct = lm_head_ce(predicting, self.lm_head_weight, labels.reshape(-1), ce_chunk_size,
                               torch.is_grad_enabled() and predicting.requires_grad)
         return ce.view(B, num_anchors, bs - 1), correct.view(B, num_anchors, bs - 1), label_ok

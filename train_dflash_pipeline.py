@@ -1286,11 +1286,11 @@ class DrafterWorker:
         params = list(drafter.parameters())
         # All gradients are views of one flat buffer: averaging and clipping are one op each.
         self.flat_grad = torch.zeros(sum(p.numel() for p in params), device=device, dtype=torch.float32)
-        at = 0
-        for p in params:
+        self.grad_into, at = [], 0  # (name, parameter, its view), for compute_loss
+        for name, p in drafter.named_parameters():
             p.grad = self.flat_grad[at:at + p.numel()].view_as(p)
+            self.grad_into.append((name, p, p.grad))
             at += p.numel()
-        self.grad_into = [(name, p, p.grad) for name, p in drafter.named_parameters()]
         cuda = device.type == "cuda"
         # A tensor learning rate, so a captured optimizer step reads the scheduled value.
         self.lr = torch.tensor(args.lr, device=device) if cuda else args.lr

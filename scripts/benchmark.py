@@ -46,10 +46,14 @@ PRESET_BATCH = {"qwen3-8b": (4, 3072), "small": (1, 3072), "smollm2-135m": (8, 2
 # -----------------------------------------------------------------------------
 # FLOP formulas (matmuls only; attention scores excluded, as in the brief's figures)
 
+def layer_param_groups(c):
+    """(q/k/v projection params, o_proj + MLP params) of one decoder layer."""
+    h, q, kv = c.hidden_size, c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
+    return h * (q + 2 * kv), h * q + 3 * h * c.intermediate_size
+
+
 def linear_params_per_layer(c):
-    h, kv = c.hidden_size, c.num_key_value_heads * c.head_dim
-    q = c.num_attention_heads * c.head_dim
-    return h * q * 2 + h * kv * 2 + 3 * h * c.intermediate_size
+    return sum(layer_param_groups(c))
 
 
 def target_flops_per_token(c, layers_run):
@@ -65,8 +69,8 @@ def drafter_flops_per_step(c, n_feat_layers, draft_layers, rows, length, anchors
     the predicting slots (slot 0 holds the anchor token and gets no logits)."""
     P = rows * anchors * block
     T = rows * length
-    h, q, kv = c.hidden_size, c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
-    qkv, o_mlp = h * (q + 2 * kv), h * q + 3 * h * c.intermediate_size  # together linear_params_per_layer
+    h, kv = c.hidden_size, c.num_key_value_heads * c.head_dim
+    qkv, o_mlp = layer_param_groups(c)
     first_rows, last_rows = rows * anchors + 1, rows * anchors * (block - 1)
     layers = 6 * (qkv + o_mlp) * draft_layers * P - 6 * qkv * (P - first_rows) - 6 * o_mlp * (P - last_rows)
     context = 4 * n_feat_layers * h * h * T + 6 * 2 * h * kv * draft_layers * T

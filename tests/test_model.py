@@ -654,7 +654,7 @@ def test_training_step_compiles_fullgraph_and_its_trace_does_not_grow_with_chunk
 
 def test_compiled_step_computes_rope_cos_sin_once_per_position():
     # Fused into its consumers, RoPE's cos/sin were computed once per head in the forward and
-    # again in the backward's kernels (12 calls of cos in this step's output code, 7 of them in
+    # again in the backward's kernels (12 calls of cos in this step's output code, 8 of them in
     # the backward). Through dm.computed_once: at most one per call site (context, block), in the
     # forward, and the loss and gradients stay eager's.
     from torch._inductor.utils import run_and_get_code
