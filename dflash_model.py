@@ -892,7 +892,9 @@ class DFlashDraftModel(nn.Module):
         B, A = anchor_ids.shape
         bs, last = self.block_size, len(self.layers) - 1
         mask = torch.full((1,), self.mask_token_id, dtype=anchor_ids.dtype, device=anchor_ids.device)
-        x = self.embed_tokens(torch.cat([anchor_ids.reshape(-1), mask])).to(self.fc.weight.dtype)  # distinct rows
+        # the residual stream in the master weights' dtype (norm weights are never the bf16 copies a
+        # training step may pass for the matmul weights)
+        x = self.embed_tokens(torch.cat([anchor_ids.reshape(-1), mask])).to(self.norm.weight.dtype)  # distinct rows
         slot0 = (torch.arange(bs, device=anchor_ids.device) == 0).view(1, 1, bs, 1)
 
         def spread(t):  # [B * A + 1, n] (anchor rows, then the mask row) -> [B, A * bs, n]

@@ -1254,20 +1254,113 @@ def compile_every_worker_or_fail():
 
 
 class GradInto(torch.autograd.Function):
-    """A parameter, as itself; in the backward its gradient is copied into `into`, its view of the
-    flat gradient buffer, instead of accumulated into .grad. So the buffer needs no zeroing and
-    no add per parameter, and compiled, the gradient's cast to fp32 and its store are one kernel.
+    """A parameter, as itself or as its bf16 copy; in the backward its gradient is copied into
+    `into`, its view of the flat gradient buffer, instead of accumulated into .grad. So the buffer
+    needs no zeroing and no add per parameter, and compiled, the gradient's cast to fp32 and its
+    store are one kernel.
     Every parameter gets a gradient every step (a test checks it), so no view keeps a stale one."""
 
     @staticmethod
-    def forward(ctx, param, into):
+    def forward(ctx, param, into, bf16=None):
         ctx.into = into  # not save_for_backward: each copy bumps the version counter all the views share
-        return param.view_as(param)
+        value = param if bf16 is None else bf16  # the parameter itself, or its bf16 copy (FlatAdamW)
+        return value.view_as(value)
 
     @staticmethod
     def backward(ctx, grad):
         ctx.into.copy_(grad)
-        return None, None
+        return None, None, None
+
+
+if dm.triton is not None:
+    triton, tl = dm.triton, dm.tl
+
+    @triton.jit
+    def _adamw_kernel(param, grad, exp_avg, exp_avg_sq, weight_bf16, clip, coef, n, beta1, beta2, eps,
+                      BLOCK: tl.constexpr):
+        # torch's single-tensor AdamW, op for op (lerp, addcmul, addcdiv), on a clipped gradient;
+        # coef: (step size lr / (1 - beta1^t), sqrt(1 - beta2^t), 1 - lr * weight decay)
+        i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        ok = i < n
+        step_size, bc2_sqrt, decay = tl.load(coef), tl.load(coef + 1), tl.load(coef + 2)
+        g = tl.load(grad + i, mask=ok) * tl.load(clip)
+        p = tl.load(param + i, mask=ok) * decay
+        m = tl.load(exp_avg + i, mask=ok)
+        m = m + (1 - beta1) * (g - m)
+        v = tl.load(exp_avg_sq + i, mask=ok) * beta2 + (1 - beta2) * g * g
+        denom = tl.div_rn(tl.sqrt_rn(v), bc2_sqrt) + eps
+        p = p - step_size * tl.div_rn(m, denom)
+        tl.store(param + i, p, mask=ok)
+        tl.store(exp_avg + i, m, mask=ok)
+        tl.store(exp_avg_sq + i, v, mask=ok)
+        tl.store(weight_bf16 + i, p.to(tl.bfloat16, fp_downcast_rounding="rtne"), mask=ok)
+
+
+class FlatAdamW(torch.optim.AdamW):
+    """torch's AdamW (its update, its state_dict) whose parameters and moments are views of flat
+    fp32 buffers, updated by one Triton kernel that also writes the bf16 copy of the weights the
+    step's matmuls read (`weight_bf16`, what autocast would cast them to). One launch, against
+    the fused AdamW's 51 over 58 tensors, and no cast of each weight in every forward. The update
+    takes the clip as a factor on the gradient. Whoever writes the parameters other than by
+    step() calls weights_changed(). A weight used twice in a step (k/v_proj: context and block)
+    gets its two gradients summed in bf16 before the copy into fp32, one bf16 rounding more than
+    autocast's per-use casts (compiled, inductor folds the sum into the second matmul)."""
+
+    BLOCK, WARPS = 1024, 4  # the fastest of 5 settings (scripts/experiments/flat_adamw.py)
+
+    def __init__(self, params, flat_grad, lr, weight_decay):
+        params = list(params)
+        super().__init__(params, lr=lr, weight_decay=weight_decay, capturable=True, foreach=False)
+        n, dev = flat_grad.numel(), flat_grad.device
+        self.flat_grad = flat_grad
+        self.flat_param = torch.cat([p.detach().reshape(-1) for p in params])
+        self.exp_avg, self.exp_avg_sq = torch.zeros(n, device=dev), torch.zeros(n, device=dev)
+        self.weight_bf16 = torch.empty(n, device=dev, dtype=torch.bfloat16)
+        self.steps = torch.zeros(len(params), device=dev)  # one per parameter, as torch keeps them
+        self.views = []  # (parameter, its slice) of the flat buffers
+        at = 0
+        for i, p in enumerate(params):
+            where = slice(at, at + p.numel())
+            p.data = self.flat_param[where].view_as(p)
+            self.state[p] = {"step": self.steps[i], "exp_avg": self.exp_avg[where].view_as(p),
+                             "exp_avg_sq": self.exp_avg_sq[where].view_as(p)}
+            self.views.append((p, where))
+            at += p.numel()
+        self.weights_changed()
+
+    def bf16_weight(self, p):
+        """The bf16 copy of parameter p, as step() keeps it."""
+        where = next(w for q, w in self.views if q is p)
+        return self.weight_bf16[where].view_as(p)
+
+    def weights_changed(self):
+        self.weight_bf16.copy_(self.flat_param)
+
+    def load_state_dict(self, state_dict):
+        """Loads as torch's does (any AdamW's state_dict), then copies the moments and step counts
+        into the flat buffers, so the kernel's views are the state again."""
+        super().load_state_dict(state_dict)
+        for i, (p, where) in enumerate(self.views):
+            st = self.state[p]
+            for buf, key in ((self.exp_avg, "exp_avg"), (self.exp_avg_sq, "exp_avg_sq")):
+                buf[where].copy_(st[key].reshape(-1)) if key in st else buf[where].zero_()
+            self.steps[i].copy_(st["step"]) if "step" in st else self.steps[i].zero_()
+            self.state[p] = {"step": self.steps[i], "exp_avg": self.exp_avg[where].view_as(p),
+                             "exp_avg_sq": self.exp_avg_sq[where].view_as(p)}
+        if not torch.all(self.steps == self.steps[0]):
+            raise ValueError("optimizer state: the parameters have different step counts")
+
+    @torch.no_grad()
+    def step(self, clip):
+        group = self.param_groups[0]
+        beta1, beta2 = group["betas"]
+        self.steps += 1
+        t, lr = self.steps[0].double(), torch.as_tensor(group["lr"], device=self.steps.device).double()
+        coef = torch.stack([lr / (1 - beta1 ** t), (1 - beta2 ** t).sqrt(), 1 - lr * group["weight_decay"]]).float()
+        n = self.flat_param.numel()
+        _adamw_kernel[(triton.cdiv(n, self.BLOCK),)](
+            self.flat_param, self.flat_grad, self.exp_avg, self.exp_avg_sq, self.weight_bf16, clip, coef, n,
+            beta1, beta2, group["eps"], BLOCK=self.BLOCK, num_warps=self.WARPS)
 
 
 class DrafterWorker:
@@ -1286,20 +1379,24 @@ class DrafterWorker:
         params = list(drafter.parameters())
         # All gradients are views of one flat buffer: averaging and clipping are one op each.
         self.flat_grad = torch.zeros(sum(p.numel() for p in params), device=device, dtype=torch.float32)
-        self.grad_into, at = [], 0  # (name, parameter, its view), for compute_loss
-        for name, p in drafter.named_parameters():
-            p.grad = self.flat_grad[at:at + p.numel()].view_as(p)
-            self.grad_into.append((name, p, p.grad))
-            at += p.numel()
         cuda = device.type == "cuda"
         # A tensor learning rate, so a captured optimizer step reads the scheduled value.
         self.lr = torch.tensor(args.lr, device=device) if cuda else args.lr
-        # On CUDA the fused kernel: 8.4 ms per step at 1.05B parameters against 32.6 ms for the
-        # foreach one (docs/benchmarks.md, third session); capturable, so it lives in the graph.
-        self.optimizer = torch.optim.AdamW(params, lr=self.lr, weight_decay=args.weight_decay,
-                                           **(dict(fused=True, capturable=True) if cuda else dict(foreach=True)))
-        if cuda:  # the fused kernel divides each gradient by it as it reads it: the clip needs no pass of its own
-            self.optimizer.grad_scale = torch.ones((), device=device)
+        # On CUDA one kernel over flat buffers, in the graph (capturable); it keeps the bf16 weights
+        # the matmuls read. Without triton, torch's fused capturable AdamW; on the CPU its foreach one.
+        self.optimizer = FlatAdamW(params, self.flat_grad, self.lr, args.weight_decay) if cuda and dm.triton \
+            else torch.optim.AdamW(params, lr=self.lr, weight_decay=args.weight_decay,
+                                   **(dict(fused=True, capturable=True) if cuda else dict(foreach=True)))
+        flat = isinstance(self.optimizer, FlatAdamW)
+        matmul_weights = {f"{m}.weight" for m, mod in drafter.named_modules() if isinstance(mod, torch.nn.Linear)}
+        self.grad_into, at = [], 0  # (name, parameter, its gradient's view, its bf16 copy or None), for compute_loss
+        for name, p in drafter.named_parameters():
+            p.grad = self.flat_grad[at:at + p.numel()].view_as(p)
+            bf16 = self.optimizer.bf16_weight(p) if flat and name in matmul_weights else None
+            self.grad_into.append((name, p, p.grad, bf16))
+            at += p.numel()
+        if self.stream is not None:  # the buffers above were filled on this thread's stream
+            self.stream.wait_stream(torch.cuda.current_stream(device))
         self.generator = torch.Generator(device=device)
         if args.compile:
             compile_every_worker_or_fail()
@@ -1320,7 +1417,7 @@ class DrafterWorker:
     def compute_loss(self, features, input_ids, loss_mask, doc_ids, position_ids, anchor_noise):
         """The loss and stats; its backward writes the gradients into the flat buffer (GradInto)."""
         a = self.args
-        params = {name: GradInto.apply(p, into) for name, p, into in self.grad_into}
+        params = {name: GradInto.apply(p, into, bf16) for name, p, into, bf16 in self.grad_into}
         with self.autocast():
             return torch.func.functional_call(
                 self.drafter, params, (features, input_ids, loss_mask, doc_ids, position_ids, anchor_noise),
@@ -1344,11 +1441,11 @@ class DrafterWorker:
     def clip_and_update(self):
         grad_norm = self.flat_grad.norm()
         clip = torch.clamp(self.args.grad_clip / (grad_norm + 1e-6), max=1.0)
-        if self.optimizer.defaults["fused"]:
-            torch.reciprocal(clip, out=self.optimizer.grad_scale)
+        if isinstance(self.optimizer, FlatAdamW):  # the kernel scales the gradient as it reads it
+            self.optimizer.step(clip)
         else:
             self.flat_grad.mul_(clip)
-        self.optimizer.step()
+            self.optimizer.step()
         return grad_norm
 
     def load_optimizer_state(self, state):
@@ -1434,8 +1531,9 @@ class DrafterWorker:
             self.static = self.synthetic_inputs(rows, features_dim)
             state_tensors = lambda: [t for st in self.optimizer.state.values() for t in st.values()
                                      if isinstance(t, torch.Tensor)]
-            saved = [(t, t.clone()) for t in state_tensors()] + [(p, p.detach().clone()) for p in self.drafter.parameters()]
-            fresh = not self.optimizer.state
+            fresh = all(float(st["step"]) == 0 for st in self.optimizer.state.values())  # no step taken yet
+            saved = ([] if fresh else [(t, t.clone()) for t in state_tensors()]) + \
+                [(p, p.detach().clone()) for p in self.drafter.parameters()]
             self.lr.fill_(0.0)
             for _ in range(warmup):
                 self.forward_backward(self.static)
@@ -1446,9 +1544,11 @@ class DrafterWorker:
             # A copy of every parameter and moment (up to 12 GB at 1B parameters): let go before
             # the capture, which empties the allocator's cache for its own pool.
             del saved, value
-            if fresh:  # the warm-up created the optimizer state: back to zero moments and step 0
+            if fresh:  # back to zero moments and step 0
                 for t in state_tensors():
                     t.zero_()
+            if isinstance(self.optimizer, FlatAdamW):
+                self.optimizer.weights_changed()
             several = self.averager.active  # the averaging sits between two graphs
             g1 = torch.cuda.CUDAGraph()
             with torch.cuda.graph(g1, stream=self.stream, capture_error_mode="thread_local"):
@@ -1479,6 +1579,8 @@ class DrafterWorker:
     def main(self):
         try:
             with torch.cuda.stream(self.stream) if self.stream is not None else nullcontext():
+                if isinstance(self.optimizer, FlatAdamW):  # the weights may have been loaded since it was built
+                    self.optimizer.weights_changed()
                 if self.device.type == "cuda":
                     with COMPILE_LOCK:  # never held across the gradient averaging: that would deadlock
                         self.warm_up()

@@ -124,3 +124,14 @@ def counter_target(vocab=128):
             layer.mlp.down_proj.weight.zero_()
         model.lm_head.weight.copy_(torch.roll(torch.eye(vocab), 1, 0))  # row x + 1 reads x
     return model
+
+
+def run_interpreted(check):
+    """A check script (it prints ok) in a fresh interpreter under Triton's interpreter (set before
+    triton is imported); sys.argv[1] is the repository root."""
+    pytest.importorskip("triton")
+    import subprocess, sys
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    out = subprocess.run([sys.executable, "-c", check, root], env=dict(os.environ, TRITON_INTERPRET="1"),
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-3000:]

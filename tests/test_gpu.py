@@ -176,10 +176,10 @@ def test_resumed_optimizer_follows_the_schedule():
         assert torch.equal(p, q)
 
 
-def test_clipping_by_the_fused_adamw_equals_clipping_the_gradient():
-    # On CUDA the clip reaches the update as the fused AdamW's grad_scale (no pass over the
-    # gradient of its own): the update must be torch's for-loop AdamW's on the clipped gradient.
-    # eps 1 and lr 1 make the update about the gradient itself, so an unclipped one differs.
+def test_clipping_in_the_flat_adamw_equals_clipping_the_gradient():
+    # On CUDA the clip reaches the update as a factor FlatAdamW's kernel applies as it reads the
+    # gradient (no pass of its own): the update must be torch's for-loop AdamW's on the clipped
+    # gradient. eps 1 and lr 1 make the update about the gradient itself, so an unclipped one differs.
     w = make_worker(compile=False)
     w.args.grad_clip = 0.01
     w.optimizer.param_groups[0]["eps"] = 1.0
@@ -200,6 +200,41 @@ def test_clipping_by_the_fused_adamw_equals_clipping_the_gradient():
     w.clip_and_update()
     diff = {name: max((p - q).abs().max().item() for p, q in zip(params, ps)) for name, ps in expected.items()}
     assert diff["clipped"] < 1e-8 and diff["unclipped"] > 1e-6, diff
+
+
+def test_the_gpu_step_reads_the_bf16_weights_the_optimizer_keeps():
+    # On CUDA the step's matmuls read FlatAdamW's bf16 copy of the weights instead of autocast's
+    # cast of the fp32 ones: loss and gradients must be the plain drafter's under autocast, and
+    # after every update (eager, then captured) the copy must be the new weights cast to bf16.
+    w = make_worker(compile=False)
+    opt, a = w.optimizer, w.args
+    assert isinstance(opt, tp.FlatAdamW) and sum(bf16 is not None for *_, bf16 in w.grad_into) == 15
+    b = batches(1)[0]
+    inputs = [b[k] for k in tp.BATCH_KEYS] + [w.anchor_noise(1, torch.empty(ROWS, LENGTH, device="cuda"))]
+    params = list(w.drafter.parameters())
+    with w.autocast():
+        loss, _ = w.drafter(*inputs, num_anchors=a.num_anchors, gamma=a.loss_decay_gamma,
+                            ce_chunk_size=a.ce_chunk_size, attention=a.attention)
+    want = torch.autograd.grad(loss, params)
+    got, _ = w.forward_backward(inputs)
+    torch.testing.assert_close(got, loss.detach())
+    for (name, p, _, _), g in zip(w.grad_into, want):
+        if name.endswith(("k_proj.weight", "v_proj.weight")):
+            # used twice (context and block): autocast cast the weight per use and summed the two
+            # gradients in fp32; one bf16 copy sums them in bf16 first (one more bf16 rounding)
+            err = ((p.grad - g).norm() / g.norm()).item()
+            assert err < 1e-2, (name, err)
+        else:
+            torch.testing.assert_close(p.grad, g, msg=name)
+    for step in (1, 2):
+        w.set_lr(step)
+        w.clip_and_update()
+        assert torch.equal(opt.weight_bf16, opt.flat_param.to(torch.bfloat16))
+    assert [p.data_ptr() for p in params] == [opt.flat_param[s].data_ptr() for _, s in opt.views]
+    c = captured_worker()
+    run_steps(c, batches(3))
+    assert torch.equal(c.optimizer.weight_bf16, c.optimizer.flat_param.to(torch.bfloat16))
+    assert torch.all(c.optimizer.steps == 3)  # the captured update counted its steps
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")

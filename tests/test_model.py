@@ -8,7 +8,7 @@ import torch
 from safetensors import safe_open
 
 import dflash_model as dm
-from conftest import tiny_target
+from conftest import run_interpreted, tiny_target
 
 
 
@@ -205,6 +205,29 @@ def test_block_hidden_equals_every_slot_through_every_layer(layers):
                                torch.autograd.grad((want * weights).sum(), params), rtol=1e-10, atol=1e-12)
 
 
+def test_bf16_matmul_weights_keep_the_residual_stream_in_the_master_dtype():
+    """The CUDA training step passes bf16 copies of the matmul weights (train_dflash_pipeline's
+    FlatAdamW keeps them) and autocast does the rest: loss and gradients must be the fp32
+    drafter's under autocast, bit for bit, so the residual stream stays fp32 (it went bf16 when
+    its dtype was read off a matmul weight)."""
+    torch.set_default_dtype(torch.float32)
+    target = tiny_target(dtype=torch.float32)
+    drafter = make_drafter(target).float()
+    ids, doc, pos, feats = packed_row(target, drafter, [11, 17, 9], pad=3)
+    inputs = (feats, ids, torch.ones_like(ids, dtype=torch.float32), doc, pos,
+              torch.rand(ids.shape, generator=torch.Generator().manual_seed(3)))
+    params = dict(drafter.named_parameters())
+    linear = {f"{name}.weight" for name, m in drafter.named_modules() if isinstance(m, torch.nn.Linear)}
+    copies = {k: (p.to(torch.bfloat16) if k in linear else p) for k, p in params.items()}
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        want, _ = drafter(*inputs, num_anchors=7)
+        got, _ = torch.func.functional_call(drafter, copies, inputs, dict(num_anchors=7))
+    assert torch.equal(got, want), (got, want)
+    grads = torch.autograd.grad(got, [copies[k] for k in params])
+    for (k, p), g, w in zip(params.items(), grads, torch.autograd.grad(want, list(params.values()))):
+        assert torch.equal(g.float(), w), k
+
+
 def test_context_leak_would_be_caught():
     """Sanity of the test above: letting a block see its anchor's own hidden state changes logits."""
     target = tiny_target()
@@ -319,17 +342,6 @@ assert correct.tolist() == (logits.float().argmax(-1) == torch.tensor([1, 2])).t
 torch.testing.assert_close(ce, torch.nn.functional.cross_entropy(logits.float(), torch.tensor([1, 2]), reduction="none"))
 print("ok")
 """
-
-
-def run_interpreted(check):
-    """A check script (it prints ok) in a fresh interpreter under Triton's interpreter (set before
-    triton is imported)."""
-    pytest.importorskip("triton")
-    import subprocess, sys
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    out = subprocess.run([sys.executable, "-c", check, root], env=dict(os.environ, TRITON_INTERPRET="1"),
-                         capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-3000:]
 
 
 def test_triton_ce_kernel_matches_torch_chunk_interpreted():

@@ -12,7 +12,7 @@ import torch
 
 import dflash_model as dm
 import train_dflash_pipeline as tp
-from conftest import tiny_tokenizer, write_jsonl
+from conftest import run_interpreted, tiny_tokenizer, write_jsonl
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WORDS = "the cat sat on a mat and then it ran to see the dog who was very happy".split()
@@ -438,8 +438,8 @@ def test_the_step_writes_every_gradient_into_the_flat_buffer(compile):
     worker.flat_grad.fill_(7.0)
     got_loss, _ = worker.forward_backward(inputs)
     torch.testing.assert_close(got_loss, loss.detach())
-    assert all(p.grad.data_ptr() == into.data_ptr() for _, p, into in worker.grad_into)  # still the buffer's views
-    for (name, p, _), w in zip(worker.grad_into, want):
+    assert all(p.grad.data_ptr() == into.data_ptr() for _, p, into, _ in worker.grad_into)  # still the buffer's views
+    for (name, p, _, _), w in zip(worker.grad_into, want):
         torch.testing.assert_close(p.grad, w, msg=name)
     torch._dynamo.reset()
 
@@ -772,3 +772,78 @@ def test_drafter_attention_auto_is_triton_on_hopper_gpus_where_its_shapes_fit(mo
     assert choose([], two) == "flex" and choose(["--drafter-attention", "triton"], two) == "triton"
     monkeypatch.setattr(dm, "triton", None)
     assert choose([], gpu) == "flex"
+
+
+FLAT_ADAMW_CHECK = """
+import sys, copy, torch
+sys.path.insert(0, sys.argv[1])
+import train_dflash_pipeline as tp
+torch.manual_seed(0)
+init = [torch.randn(s) for s in [(37, 5), (11,), (3, 4, 6)]]
+n, lr, wd = sum(p.numel() for p in init), 0.05, 0.1
+
+def views(flat, params):
+    out, at = [], 0
+    for p in params:
+        out.append(flat[at:at + p.numel()].view_as(p))
+        at += p.numel()
+    return out
+
+def flat_adamw(params):  # as DrafterWorker builds it: the gradients are views of the flat buffer
+    flat_grad = torch.zeros(n)
+    opt = tp.FlatAdamW(params, flat_grad, torch.tensor(lr), wd)
+    for p, g in zip(params, views(flat_grad, params)):
+        p.grad = g
+    return opt
+
+ref = [p.clone().requires_grad_() for p in init]
+ref_opt = torch.optim.AdamW(ref, lr=lr, weight_decay=wd, foreach=False)
+mine = [p.clone().requires_grad_() for p in init]
+opt = flat_adamw(mine)
+for step in range(5):
+    g = torch.randn(n) * (10 if step == 2 else 1)
+    clip = torch.clamp(1.0 / (g.norm() + 1e-6), max=1.0)  # every step clipped (the norm is about 17)
+    opt.flat_grad.copy_(g)
+    for p, gp in zip(ref, views(g * clip, ref)):
+        p.grad = gp
+    ref_opt.step()
+    opt.step(clip)
+    for p, q in zip(ref, mine):
+        torch.testing.assert_close(q, p, rtol=1e-6, atol=1e-7)
+        # within one bf16 step: the interpreter truncates where the GPU rounds (tests/test_gpu.py: equal)
+        torch.testing.assert_close(opt.bf16_weight(q).float(), q.detach().float(), rtol=2 ** -7, atol=0)
+    assert [p.data_ptr() for p in mine] == [v.data_ptr() for v in views(opt.flat_param, mine)]
+# Its state_dict loads into torch's AdamW (with that one's own settings kept, as
+# DrafterWorker.load_optimizer_state does), torch's into it, and all three go on as one.
+state = copy.deepcopy(opt.state_dict())
+for a, b in zip(state["state"].values(), ref_opt.state_dict()["state"].values()):
+    torch.testing.assert_close(a["exp_avg_sq"], b["exp_avg_sq"], rtol=1e-6, atol=1e-7)
+    assert float(a["step"]) == float(b["step"]) == 5
+torchs = [p.detach().clone().requires_grad_() for p in mine]
+torchs_opt = torch.optim.AdamW(torchs, lr=lr, weight_decay=wd, foreach=False)
+own = {k: v for k, v in torchs_opt.param_groups[0].items() if k != "params"}
+torchs_opt.load_state_dict(state)
+torchs_opt.param_groups[0].update(own)
+loaded = [p.detach().clone().requires_grad_() for p in ref]
+loaded_opt = flat_adamw(loaded)
+loaded_opt.load_state_dict(copy.deepcopy(ref_opt.state_dict()))
+st = loaded_opt.state[loaded[1]]  # the loaded moments are the kernel's flat buffers again
+assert st["exp_avg"].data_ptr() == views(loaded_opt.exp_avg, loaded)[1].data_ptr() and float(st["step"]) == 5
+g = torch.randn(n)
+loaded_opt.flat_grad.copy_(g)
+for p, q, gp in zip(torchs, ref, views(g, ref)):
+    p.grad, q.grad = gp.clone(), gp.clone()
+torchs_opt.step(); ref_opt.step(); loaded_opt.step(torch.tensor(1.0))
+for p, q, r in zip(torchs, ref, loaded):
+    torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(r, q, rtol=1e-6, atol=1e-7)
+print("ok")
+"""
+
+
+def test_flat_adamw_is_torchs_adamw_on_the_clipped_gradient_interpreted():
+    # The CUDA workers' optimizer (one Triton kernel over flat buffers), run by Triton's
+    # interpreter on the CPU: 5 steps equal torch's for-loop AdamW on the clipped gradient (one
+    # step clipped hard), its bf16 copy follows the weights, and its state_dict and torch's load
+    # into each other and go on as one. tests/test_gpu.py runs it compiled.
+    run_interpreted(FLAT_ADAMW_CHECK)
