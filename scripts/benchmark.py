@@ -195,7 +195,7 @@ def drafter_step_times(a, cfg, device, embed, head, features_dim, report):
                 w.train_step(step[0], batch)
             t = time_cuda(one, a.iters, device)
         out[mode] = {"step_s": t, "warmup_s": warm, "peak_gb": torch.cuda.max_memory_allocated(device) / 2**30}
-        report(f"drafter {mode:9s}: {t * 1e3:8.1f} ms/step  (warm-up {warm:.0f}s, peak {out[mode]['peak_gb']:.1f} GB)")
+        report(f"drafter {mode:20s}: {t * 1e3:8.1f} ms/step  (warm-up {warm:.0f}s, peak {out[mode]['peak_gb']:.1f} GB)")
 
     graphed = None
     for compile in [m == "compiled" for m in a.step_modes.split(",")]:
@@ -210,10 +210,20 @@ def drafter_step_times(a, cfg, device, embed, head, features_dim, report):
         measure("compiled" if compile else "eager", w, warm_steps)
         if compile and a.profile:
             with torch.cuda.stream(w.stream):
-                profile_kernels(lambda s: w.train_step(1000 + s, batch), device, a.profile, report)
+                kernels = profile_kernels(lambda s: w.train_step(1000 + s, batch), device, a.profile, report)
         if compile:
             measure("graph", w, lambda: w.capture(a.rows, features_dim))
             graphed = w
+            # the compiled step again, after the graph (the GPU as warm as for the graph's timing):
+            # so the order of the two does not decide which looks faster
+            w.graphs, graphs = None, w.graphs
+            measure("compiled after graph", w, lambda: None)
+            w.graphs = graphs
+            if a.profile:  # the same table of the graph's replays, and where the two differ
+                with torch.cuda.stream(w.stream):
+                    replayed = profile_kernels(lambda s: w.train_step(2000 + s, batch), device,
+                                               a.profile + ".graph", report)
+                kernel_differences(kernels, replayed, a.profile + ".diff", report)
         w = None  # the eager worker's memory goes before the compiled one is built
         torch.cuda.empty_cache()
     return out, graphed
@@ -239,8 +249,9 @@ def kernel_category(name):
 
 
 def profile_kernels(step, device, path, report, steps=3):
-    """GPU time per kernel over a few steps of the compiled step (no graph: kernels stay visible):
-    by category, and the 40 largest, written to `path`."""
+    """GPU time per kernel over a few calls of `step` (the compiled step, or a graph's replays:
+    CUPTI records the kernels of a replay one by one): by category, and the 40 largest, written
+    to `path`. Returns {kernel name: (ms a step, calls a step)}."""
     from torch.profiler import ProfilerActivity, profile
     for s in range(2):
         step(s)
@@ -265,6 +276,24 @@ def profile_kernels(step, device, path, report, steps=3):
     for e in sorted(kernels, key=time_of, reverse=True)[:40]:
         lines.append(f"  {time_of(e) / steps / 1e3:8.2f} {e.count // steps:5d}  {e.key[:150]}")
     for l in lines[:len(by_cat) + 1]:
+        report(l)
+    with open(path, "w") as f:
+        f.write("\n".join(lines) + "\n")
+    return {e.key: (time_of(e) / steps / 1e3, e.count / steps) for e in kernels}
+
+
+def kernel_differences(before, after, path, report, shown=12):
+    """Per kernel name, ms a step and calls a step in two profiles (profile_kernels' tables),
+    largest difference first: all of them to `path`, the first `shown` to the report."""
+    names = sorted(set(before) | set(after),
+                   key=lambda k: -abs(after.get(k, (0, 0))[0] - before.get(k, (0, 0))[0]))
+    total = lambda d: sum(t for t, _ in d.values())
+    lines = [f"kernel time a step: {total(before):.1f} ms -> {total(after):.1f} ms "
+             f"({total(after) - total(before):+.2f}); by kernel (ms before, after, difference, calls before, after):"]
+    for k in names:
+        (t0, c0), (t1, c1) = before.get(k, (0, 0)), after.get(k, (0, 0))
+        lines.append(f"  {t0:8.2f} {t1:8.2f} {t1 - t0:+7.2f} {c0:6.1f} {c1:6.1f}  {k[:150]}")
+    for l in lines[:shown + 1]:
         report(l)
     with open(path, "w") as f:
         f.write("\n".join(lines) + "\n")
@@ -541,7 +570,8 @@ def main():
     p.add_argument("--skip", default="", help="comma list of sections to skip: step,target,scaling,beside,pipeline")
     p.add_argument("--output-dir", default="/tmp/dflash_bench")
     p.add_argument("--json", default=None, help="write all results here")
-    p.add_argument("--profile", default=None, help="write a per-kernel GPU time table of the compiled drafter step here")
+    p.add_argument("--profile", default=None, help="write a per-kernel GPU time table of the compiled drafter step here; "
+                   "the graph's replays to FILE.graph and the two compared to FILE.diff")
     p.add_argument("--ce-memory", action="store_true", help="only the LM-head/CE peak memory per chunk size (CPU or GPU)")
     p.add_argument("--ce-positions", type=int, default=16384)
     p.add_argument("--ce-hidden", type=int, default=4096)
