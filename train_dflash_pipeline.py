@@ -1296,10 +1296,20 @@ if dm.triton is not None:
         tl.store(weight_bf16 + i, p.to(tl.bfloat16, fp_downcast_rounding="rtne"), mask=ok)
 
 
+def flat_views(flat, params):
+    """Views of the flat buffer `flat` shaped as each of params, in order: the one layout of the
+    drafter's gradients, weights, moments and bf16 copies."""
+    views, at = [], 0
+    for p in params:
+        views.append(flat[at:at + p.numel()].view_as(p))
+        at += p.numel()
+    return views
+
+
 class FlatAdamW(torch.optim.AdamW):
     """torch's AdamW (its update, its state_dict) whose parameters and moments are views of flat
     fp32 buffers, updated by one Triton kernel that also writes the bf16 copy of the weights the
-    step's matmuls read (`weight_bf16`, what autocast would cast them to). One launch, against
+    step's matmuls read (`bf16_weights`, what autocast would cast them to). One launch, against
     the fused AdamW's 51 over 58 tensors, and no cast of each weight in every forward. The update
     takes the clip as a factor on the gradient. Whoever writes the parameters other than by
     step() calls weights_changed(). A weight used twice in a step (k/v_proj: context and block)
@@ -1311,27 +1321,23 @@ class FlatAdamW(torch.optim.AdamW):
     def __init__(self, params, flat_grad, lr, weight_decay):
         params = list(params)
         super().__init__(params, lr=lr, weight_decay=weight_decay, capturable=True, foreach=False)
-        n, dev = flat_grad.numel(), flat_grad.device
         self.flat_grad = flat_grad
         self.flat_param = torch.cat([p.detach().reshape(-1) for p in params])
-        self.exp_avg, self.exp_avg_sq = torch.zeros(n, device=dev), torch.zeros(n, device=dev)
-        self.weight_bf16 = torch.empty(n, device=dev, dtype=torch.bfloat16)
-        self.steps = torch.zeros(len(params), device=dev)  # one per parameter, as torch keeps them
-        self.views = []  # (parameter, its slice) of the flat buffers
-        at = 0
-        for i, p in enumerate(params):
-            where = slice(at, at + p.numel())
-            p.data = self.flat_param[where].view_as(p)
-            self.state[p] = {"step": self.steps[i], "exp_avg": self.exp_avg[where].view_as(p),
-                             "exp_avg_sq": self.exp_avg_sq[where].view_as(p)}
-            self.views.append((p, where))
-            at += p.numel()
+        self.exp_avg, self.exp_avg_sq = torch.zeros_like(self.flat_param), torch.zeros_like(self.flat_param)
+        self.weight_bf16 = torch.empty_like(self.flat_param, dtype=torch.bfloat16)
+        self.steps = torch.zeros(len(params), device=flat_grad.device)  # one per parameter, as torch keeps them
+        for p, view in zip(params, flat_views(self.flat_param, params)):
+            p.data = view
+        self.bf16_weights = flat_views(self.weight_bf16, params)
+        self.state_in_buffers()
         self.weights_changed()
 
-    def bf16_weight(self, p):
-        """The bf16 copy of parameter p, as step() keeps it."""
-        where = next(w for q, w in self.views if q is p)
-        return self.weight_bf16[where].view_as(p)
+    def state_in_buffers(self):
+        """Each parameter's state: its step count and its views of the moment buffers."""
+        params = self.param_groups[0]["params"]
+        moments = zip(flat_views(self.exp_avg, params), flat_views(self.exp_avg_sq, params))
+        for p, step, (m, v) in zip(params, self.steps, moments):  # steps[i]: a view, counted in place
+            self.state[p] = {"step": step, "exp_avg": m, "exp_avg_sq": v}
 
     def weights_changed(self):
         self.weight_bf16.copy_(self.flat_param)
@@ -1340,13 +1346,12 @@ class FlatAdamW(torch.optim.AdamW):
         """Loads as torch's does (any AdamW's state_dict), then copies the moments and step counts
         into the flat buffers, so the kernel's views are the state again."""
         super().load_state_dict(state_dict)
-        for i, (p, where) in enumerate(self.views):
-            st = self.state[p]
-            for buf, key in ((self.exp_avg, "exp_avg"), (self.exp_avg_sq, "exp_avg_sq")):
-                buf[where].copy_(st[key].reshape(-1)) if key in st else buf[where].zero_()
-            self.steps[i].copy_(st["step"]) if "step" in st else self.steps[i].zero_()
-            self.state[p] = {"step": self.steps[i], "exp_avg": self.exp_avg[where].view_as(p),
-                             "exp_avg_sq": self.exp_avg_sq[where].view_as(p)}
+        params = self.param_groups[0]["params"]
+        loaded = [self.state[p] for p in params]
+        self.state_in_buffers()
+        for p, st in zip(params, loaded):
+            for key, buf in self.state[p].items():
+                buf.copy_(st[key]) if key in st else buf.zero_()
         if not torch.all(self.steps == self.steps[0]):
             raise ValueError("optimizer state: the parameters have different step counts")
 
@@ -1387,14 +1392,12 @@ class DrafterWorker:
         self.optimizer = FlatAdamW(params, self.flat_grad, self.lr, args.weight_decay) if cuda and dm.triton \
             else torch.optim.AdamW(params, lr=self.lr, weight_decay=args.weight_decay,
                                    **(dict(fused=True, capturable=True) if cuda else dict(foreach=True)))
-        flat = isinstance(self.optimizer, FlatAdamW)
+        copies = self.optimizer.bf16_weights if isinstance(self.optimizer, FlatAdamW) else [None] * len(params)
         matmul_weights = {f"{m}.weight" for m, mod in drafter.named_modules() if isinstance(mod, torch.nn.Linear)}
-        self.grad_into, at = [], 0  # (name, parameter, its gradient's view, its bf16 copy or None), for compute_loss
-        for name, p in drafter.named_parameters():
-            p.grad = self.flat_grad[at:at + p.numel()].view_as(p)
-            bf16 = self.optimizer.bf16_weight(p) if flat and name in matmul_weights else None
-            self.grad_into.append((name, p, p.grad, bf16))
-            at += p.numel()
+        self.grad_into = []  # (name, parameter, its gradient's view, its bf16 copy or None), for compute_loss
+        for (name, p), into, bf16 in zip(drafter.named_parameters(), flat_views(self.flat_grad, params), copies):
+            p.grad = into
+            self.grad_into.append((name, p, into, bf16 if name in matmul_weights else None))
         if self.stream is not None:  # the buffers above were filled on this thread's stream
             self.stream.wait_stream(torch.cuda.current_stream(device))
         self.generator = torch.Generator(device=device)
@@ -1579,8 +1582,6 @@ class DrafterWorker:
     def main(self):
         try:
             with torch.cuda.stream(self.stream) if self.stream is not None else nullcontext():
-                if isinstance(self.optimizer, FlatAdamW):  # the weights may have been loaded since it was built
-                    self.optimizer.weights_changed()
                 if self.device.type == "cuda":
                     with COMPILE_LOCK:  # never held across the gradient averaging: that would deadlock
                         self.warm_up()

@@ -808,10 +808,10 @@ for step in range(5):
         p.grad = gp
     ref_opt.step()
     opt.step(clip)
-    for p, q in zip(ref, mine):
+    for p, q, q_bf16 in zip(ref, mine, opt.bf16_weights):
         torch.testing.assert_close(q, p, rtol=1e-6, atol=1e-7)
         # within one bf16 step: the interpreter truncates where the GPU rounds (tests/test_gpu.py: equal)
-        torch.testing.assert_close(opt.bf16_weight(q).float(), q.detach().float(), rtol=2 ** -7, atol=0)
+        torch.testing.assert_close(q_bf16.float(), q.detach().float(), rtol=2 ** -7, atol=0)
     assert [p.data_ptr() for p in mine] == [v.data_ptr() for v in views(opt.flat_param, mine)]
 # Its state_dict loads into torch's AdamW (with that one's own settings kept, as
 # DrafterWorker.load_optimizer_state does), torch's into it, and all three go on as one.

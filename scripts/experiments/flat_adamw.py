@@ -27,9 +27,8 @@ clip = torch.tensor(0.5, device=dev)
 def build(kind):
     params = [p.clone().requires_grad_() for p in init]
     flat_grad = grad * clip if kind == "torch fused, clipped gradient" else grad.clone()
-    at = 0
-    for p in params:
-        p.grad = flat_grad[at:at + p.numel()].view_as(p); at += p.numel()
+    for p, g in zip(params, tp.flat_views(flat_grad, params)):
+        p.grad = g
     lr = torch.tensor(3e-4, device=dev)
     if isinstance(kind, str):
         opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.01, fused=True, capturable=True)
