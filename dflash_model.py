@@ -394,37 +394,61 @@ def flex_attend(anchors, doc_ids, block_size):
 
 # The same rule as Triton kernels (CUDA; attention="triton", the pipeline's --drafter-attention
 # triton): as fast as flex_attention in the whole step, with no block mask to build
-# (docs/benchmarks.md, twenty-second session). A program takes one block and one KV head, with
-# the block's slots for every query head sharing that KV head as its rows (heads x slots: 4 x 16
-# at Qwen3-8B's shapes), and runs over exactly the keys those rows see: the context range
-# [start, anchor), then the block's own keys. No mask tiles, no mask_mod per element, and keys
-# are read once per KV head. The backward takes a block's own keys' gradients in that block's
-# program (no other block sees them), and the context keys' in a program per tile of keys, over
-# the run of blocks that may see it: anchors are sorted, and so are their documents' starts.
+# (docs/benchmarks.md, twenty-second session). A program takes a run of consecutive blocks and
+# one KV head, with the blocks' slots for every query head sharing that KV head as its rows
+# (blocks x heads x slots, e.g. 2 x 4 x 16 at Qwen3-8B's shapes), and runs over the keys those rows
+# see: the union of their context ranges [start, anchor), each row masked to its own, then the
+# blocks' own keys. Anchors are dense and sorted, so neighbouring blocks see nearly the same
+# keys, and each key tile read serves all of them. The backward takes a block's own keys'
+# gradients in that block's program (no other block sees them), and the context keys' in a
+# program per tile of keys, over the run of blocks that may see it: anchors are sorted, and so
+# are their documents' starts.
 
-# (keys a tile, warps, pipeline stages) of each kernel: the forward, the per-block backward and
-# the per-key-tile backward; chosen by scripts/experiments/drafter_attention_variants.py
-BLOCK_ATTENTION_CONFIG = {"fwd_keys": 64, "fwd_warps": 4, "fwd_stages": 3,
-                          "dq_keys": 32, "dq_warps": 4, "dq_stages": 3,
-                          "dkdv_keys": 64, "dkdv_warps": 4, "dkdv_stages": 2}
+# (rows a program, keys a tile, warps, pipeline stages) of each kernel: the forward, the
+# per-block backward and the per-key-tile backward; chosen by
+# scripts/experiments/drafter_attention_variants.py at Qwen3-8B's and Qwen3-1.7B's heads. A
+# program takes as many whole blocks as fit its rows (at least one): 1, 2, 1 blocks of 4 heads x
+# 16 slots, 2, 4, 2 blocks of 2 x 16.
+BLOCK_ATTENTION_CONFIG = {"fwd_rows": 64, "fwd_keys": 64, "fwd_warps": 4, "fwd_stages": 3,
+                          "dq_rows": 128, "dq_keys": 64, "dq_warps": 8, "dq_stages": 3,
+                          "dkdv_rows": 64, "dkdv_keys": 64, "dkdv_warps": 4, "dkdv_stages": 2}
+MAX_ROWS = 128  # a program's rows (blocks x query heads per KV head x slots), as measured and tested
 
 
 def block_attention_fits(heads, kv_heads, head_dim, block_size):
     """Whether the Triton kernels run these shapes as measured and tested: triton installed,
-    head_dim a power of two from 16 to 128, at most 128 rows a program (query heads per KV head x
-    block slots)."""
+    head_dim a power of two from 16 to 128, at most MAX_ROWS rows a program (query heads per KV
+    head x block slots)."""
     return (triton is not None and 16 <= head_dim <= 128 and not head_dim & (head_dim - 1)
-            and heads % kv_heads == 0 and heads // kv_heads * block_size <= 128)
+            and heads % kv_heads == 0 and heads // kv_heads * block_size <= MAX_ROWS)
 
 
 if triton is not None:
     @triton.jit
-    def _block_rows(blk, b, kvh, NKV, A, G: tl.constexpr, BS: tl.constexpr, BLOCK_M: tl.constexpr):
-        """A program's rows, the G heads x BS slots of block blk: (row ok, query head, query
-        position, index into the [B, H, Q] row statistics)."""
+    def _block_rows(blk0, end_blk, b, kvh, NKV, A, P: tl.constexpr, G: tl.constexpr, BS: tl.constexpr,
+                    BLOCK_M: tl.constexpr):
+        """A program's rows, the G heads x BS slots of blocks blk0 .. blk0 + P - 1 before end_blk:
+        (row ok, its block, query head, query position, index into the [B, H, Q] row statistics)."""
         rows = tl.arange(0, BLOCK_M)
-        head, pos = (kvh * G + rows // BS).to(tl.int64), blk * BS + rows % BS
-        return rows < G * BS, head, pos, (b * NKV * G + head) * (A * BS) + pos
+        blk, within = blk0 + rows // (G * BS), rows % (G * BS)
+        head, pos = (kvh * G + within // BS).to(tl.int64), blk * BS + within % BS
+        row_ok = (rows < P * G * BS) & (blk < end_blk)
+        return row_ok, blk, head, pos, (b * NKV * G + head) * (A * BS) + pos
+
+    @triton.jit
+    def _row_ranges(starts, anchors, b, A, blk, row_ok):
+        """Each row's context keys [start, end): its block's document start and anchor (an empty
+        range for rows out of bounds)."""
+        return (tl.load(starts + b * A + blk, mask=row_ok, other=0),
+                tl.load(anchors + b * A + blk, mask=row_ok, other=0))
+
+    @triton.jit
+    def _own_key_tile(blk0, A, P: tl.constexpr, BS: tl.constexpr, BLOCK_B: tl.constexpr):
+        """The program's blocks' own keys as one tile: (key ok, the block each belongs to, its
+        position among the blocks' keys)."""
+        keys = tl.arange(0, BLOCK_B)
+        key_blk = blk0 + keys // BS
+        return (keys < P * BS) & (key_blk < A), key_blk, blk0 * BS + keys
 
     @triton.jit
     def _rows(base, pos, stride, d):
@@ -443,45 +467,51 @@ if triton is not None:
         return kt, vt
 
     @triton.jit
-    def _softmax_update(qt, kt, vt, key_ok, m, l_sum, acc, qk_scale):
-        """One tile of keys into the running max m, sum l_sum and output acc (base 2)."""
-        s = tl.where(key_ok[None, :], tl.dot(qt, tl.trans(kt)) * qk_scale, float("-inf"))
+    def _softmax_update(qt, kt, vt, seen, m, l_sum, acc, qk_scale):
+        """One tile of keys into the running max m, sum l_sum and output acc (base 2); seen:
+        [rows, keys]. A row that has seen no key yet keeps m = -inf, and adds nothing (no nan)."""
+        s = tl.where(seen, tl.dot(qt, tl.trans(kt)) * qk_scale, float("-inf"))
         m_new = tl.maximum(m, tl.max(s, 1))
-        p = tl.exp2(s - m_new[:, None])
-        alpha = tl.exp2(m - m_new)
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp2(s - m_safe[:, None])
+        alpha = tl.exp2(m - m_safe)
         return m_new, l_sum * alpha + tl.sum(p, 1), acc * alpha[:, None] + tl.dot(p.to(vt.dtype), vt)
 
     @triton.jit
-    def _score_grads(qt, do_t, kt, vt, key_ok, row_ok, row_lse, row_delta, qk_scale):
-        """(probabilities, d loss / d scaled scores) of rows x one tile of keys."""
+    def _score_grads(qt, do_t, kt, vt, seen, row_lse, row_delta, qk_scale):
+        """(probabilities, d loss / d scaled scores) of rows x one tile of keys; seen: [rows, keys]."""
         p = tl.exp2(tl.dot(qt, tl.trans(kt)) * qk_scale - row_lse[:, None])
-        p = tl.where(key_ok[None, :] & row_ok[:, None], p, 0.0)
+        p = tl.where(seen, p, 0.0)
         return p, p * (tl.dot(do_t, tl.trans(vt)) - row_delta[:, None])
 
     @triton.jit
     def _block_attention_fwd(q, k, v, out, lse, starts, anchors,
                              sqb, sqh, sqs, skb, skh, sks, svb, svh, svs, sob, soh, sos,
                              A, L, NKV, sm_scale,
-                             G: tl.constexpr, BS: tl.constexpr, D: tl.constexpr,
+                             P: tl.constexpr, G: tl.constexpr, BS: tl.constexpr, D: tl.constexpr,
                              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_B: tl.constexpr):
-        blk, bh = tl.program_id(0), tl.program_id(1)
+        blk0, bh = tl.program_id(0) * P, tl.program_id(1)
         b, kvh = (bh // NKV).to(tl.int64), bh % NKV
-        row_ok, head, pos, row_stat = _block_rows(blk, b, kvh, NKV, A, G, BS, BLOCK_M)
+        row_ok, blk, head, pos, row_stat = _block_rows(blk0, A, b, kvh, NKV, A, P, G, BS, BLOCK_M)
+        row_start, row_end = _row_ranges(starts, anchors, b, A, blk, row_ok)
         d = tl.arange(0, D)
         qk_scale = _base2(sm_scale)
         qt = tl.load(_rows(q + b * sqb + head * sqh, pos, sqs, d), mask=row_ok[:, None], other=0.0)
         k_head, v_head = k + b * skb + kvh * skh, v + b * svb + kvh * svh
-        start, end = tl.load(starts + b * A + blk), tl.load(anchors + b * A + blk)
+        # the union of the blocks' ranges: the first block's start, the last block's anchor
+        start, end = tl.load(starts + b * A + blk0), tl.load(anchors + b * A + tl.minimum(blk0 + P, A) - 1)
         m = tl.full((BLOCK_M,), float("-inf"), tl.float32)
         l_sum = tl.zeros((BLOCK_M,), tl.float32)
         acc = tl.zeros((BLOCK_M, D), tl.float32)
-        for n0 in range(start, end, BLOCK_N):  # the context keys it sees
+        for n0 in range(start, end, BLOCK_N):  # the context keys they see
             keys = n0 + tl.arange(0, BLOCK_N)
             kt, vt = _key_tile(k_head, v_head, keys, keys < end, sks, svs, d)
-            m, l_sum, acc = _softmax_update(qt, kt, vt, keys < end, m, l_sum, acc, qk_scale)
-        keys = tl.arange(0, BLOCK_B)  # then the block's own keys, after the L context keys
-        kt, vt = _key_tile(k_head, v_head, L + blk * BS + keys, keys < BS, sks, svs, d)
-        m, l_sum, acc = _softmax_update(qt, kt, vt, keys < BS, m, l_sum, acc, qk_scale)
+            seen = (keys[None, :] >= row_start[:, None]) & (keys[None, :] < row_end[:, None])
+            m, l_sum, acc = _softmax_update(qt, kt, vt, seen, m, l_sum, acc, qk_scale)
+        key_ok, key_blk, own = _own_key_tile(blk0, A, P, BS, BLOCK_B)  # then their own keys, after the L context keys
+        kt, vt = _key_tile(k_head, v_head, L + own, key_ok, sks, svs, d)
+        seen = (key_blk[None, :] == blk[:, None]) & key_ok[None, :] & row_ok[:, None]
+        m, l_sum, acc = _softmax_update(qt, kt, vt, seen, m, l_sum, acc, qk_scale)
         tl.store(_rows(out + b * sob + head * soh, pos, sos, d), (acc / l_sum[:, None]).to(out.dtype.element_ty),
                  mask=row_ok[:, None])
         tl.store(lse + row_stat, m + tl.log2(l_sum), mask=row_ok)  # base 2, of the scaled scores
@@ -491,13 +521,14 @@ if triton is not None:
                                    sqb, sqh, sqs, skb, skh, sks, svb, svh, svs, sob, soh, sos,
                                    sgb, sgh, sgs, sdqb, sdqh, sdqs, sdkb, sdkh, sdks, sdvb, sdvh, sdvs,
                                    A, L, NKV, sm_scale,
-                                   G: tl.constexpr, BS: tl.constexpr, D: tl.constexpr,
+                                   P: tl.constexpr, G: tl.constexpr, BS: tl.constexpr, D: tl.constexpr,
                                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_B: tl.constexpr):
-        # Per block: its rows' delta = rowsum(dout * out) (stored for the context-key kernel, which
-        # runs after), dq over every key it sees, and dk, dv of its own keys.
-        blk, bh = tl.program_id(0), tl.program_id(1)
+        # Per run of blocks: its rows' delta = rowsum(dout * out) (stored for the context-key
+        # kernel, which runs after), dq over every key they see, and dk, dv of their own keys.
+        blk0, bh = tl.program_id(0) * P, tl.program_id(1)
         b, kvh = (bh // NKV).to(tl.int64), bh % NKV
-        row_ok, head, pos, row_stat = _block_rows(blk, b, kvh, NKV, A, G, BS, BLOCK_M)
+        row_ok, blk, head, pos, row_stat = _block_rows(blk0, A, b, kvh, NKV, A, P, G, BS, BLOCK_M)
+        row_start, row_end = _row_ranges(starts, anchors, b, A, blk, row_ok)
         d = tl.arange(0, D)
         qk_scale = _base2(sm_scale)
         qt = tl.load(_rows(q + b * sqb + head * sqh, pos, sqs, d), mask=row_ok[:, None], other=0.0)
@@ -507,35 +538,38 @@ if triton is not None:
         tl.store(delta + row_stat, row_delta, mask=row_ok)
         row_lse = tl.load(lse + row_stat, mask=row_ok, other=0.0)
         k_head, v_head = k + b * skb + kvh * skh, v + b * svb + kvh * svh
-        start, end = tl.load(starts + b * A + blk), tl.load(anchors + b * A + blk)
+        start, end = tl.load(starts + b * A + blk0), tl.load(anchors + b * A + tl.minimum(blk0 + P, A) - 1)
         acc = tl.zeros((BLOCK_M, D), tl.float32)
         for n0 in range(start, end, BLOCK_N):
             keys = n0 + tl.arange(0, BLOCK_N)
             kt, vt = _key_tile(k_head, v_head, keys, keys < end, sks, svs, d)
-            p, ds = _score_grads(qt, do_t, kt, vt, keys < end, row_ok, row_lse, row_delta, qk_scale)
+            seen = (keys[None, :] >= row_start[:, None]) & (keys[None, :] < row_end[:, None])
+            p, ds = _score_grads(qt, do_t, kt, vt, seen, row_lse, row_delta, qk_scale)
             acc += tl.dot(ds.to(kt.dtype), kt)
-        keys = tl.arange(0, BLOCK_B)
-        key_ok = keys < BS
-        own = L + blk * BS + keys
-        kt, vt = _key_tile(k_head, v_head, own, key_ok, sks, svs, d)
-        p, ds = _score_grads(qt, do_t, kt, vt, key_ok, row_ok, row_lse, row_delta, qk_scale)
+        key_ok, key_blk, own = _own_key_tile(blk0, A, P, BS, BLOCK_B)
+        kt, vt = _key_tile(k_head, v_head, L + own, key_ok, sks, svs, d)
+        seen = (key_blk[None, :] == blk[:, None]) & key_ok[None, :] & row_ok[:, None]
+        p, ds = _score_grads(qt, do_t, kt, vt, seen, row_lse, row_delta, qk_scale)
         acc += tl.dot(ds.to(kt.dtype), kt)
         tl.store(_rows(dq + b * sdqb + head * sdqh, pos, sdqs, d), (acc * sm_scale).to(dq.dtype.element_ty),
                  mask=row_ok[:, None])
         own_dk = tl.dot(tl.trans(ds.to(qt.dtype)), qt) * sm_scale
         own_dv = tl.dot(tl.trans(p.to(do_t.dtype)), do_t)
-        tl.store(_rows(dk + b * sdkb + kvh * sdkh, own, sdks, d), own_dk.to(dk.dtype.element_ty), mask=key_ok[:, None])
-        tl.store(_rows(dv + b * sdvb + kvh * sdvh, own, sdvs, d), own_dv.to(dv.dtype.element_ty), mask=key_ok[:, None])
+        tl.store(_rows(dk + b * sdkb + kvh * sdkh, L + own, sdks, d), own_dk.to(dk.dtype.element_ty),
+                 mask=key_ok[:, None])
+        tl.store(_rows(dv + b * sdvb + kvh * sdvh, L + own, sdvs, d), own_dv.to(dv.dtype.element_ty),
+                 mask=key_ok[:, None])
 
     @triton.jit
     def _block_attention_bwd_context(q, k, v, dout, lse, delta, dk, dv, starts, anchors, first_block, end_block,
                                      sqb, sqh, sqs, skb, skh, sks, svb, svh, svs, sgb, sgh, sgs,
                                      sdkb, sdkh, sdks, sdvb, sdvh, sdvs,
                                      A, L, NKV, NT, sm_scale,
-                                     G: tl.constexpr, BS: tl.constexpr, D: tl.constexpr,
+                                     P: tl.constexpr, G: tl.constexpr, BS: tl.constexpr, D: tl.constexpr,
                                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-        # Per tile of context keys: dk, dv over the blocks [first_block, end_block) that may see it;
-        # which of their keys each sees is decided per (block, key) from start and anchor.
+        # Per tile of context keys: dk, dv over the blocks [first_block, end_block) that may see it,
+        # P blocks at a time; which of their keys each sees is decided per (block, key) from start
+        # and anchor.
         tile, bh = tl.program_id(0), tl.program_id(1)
         b, kvh = (bh // NKV).to(tl.int64), bh % NKV
         d = tl.arange(0, D)
@@ -546,16 +580,16 @@ if triton is not None:
         dk_acc = tl.zeros((BLOCK_N, D), tl.float32)
         dv_acc = tl.zeros((BLOCK_N, D), tl.float32)
         lo, hi = tl.load(first_block + b * NT + tile), tl.load(end_block + b * NT + tile)
-        for blk in range(lo, hi):
-            row_ok, head, pos, row_stat = _block_rows(blk, b, kvh, NKV, A, G, BS, BLOCK_M)
+        for blk0 in range(lo, hi, P):
+            row_ok, blk, head, pos, row_stat = _block_rows(blk0, hi, b, kvh, NKV, A, P, G, BS, BLOCK_M)
             qt = tl.load(_rows(q + b * sqb + head * sqh, pos, sqs, d), mask=row_ok[:, None], other=0.0)
             do_t = tl.load(_rows(dout + b * sgb + head * sgh, pos, sgs, d), mask=row_ok[:, None], other=0.0)
             row_lse = tl.load(lse + row_stat, mask=row_ok, other=0.0)
             row_delta = tl.load(delta + row_stat, mask=row_ok, other=0.0)
-            start, end = tl.load(starts + b * A + blk), tl.load(anchors + b * A + blk)
-            seen = (keys >= start) & (keys < end)
+            row_start, row_end = _row_ranges(starts, anchors, b, A, blk, row_ok)
+            seen = (keys[:, None] >= row_start[None, :]) & (keys[:, None] < row_end[None, :])
             pT = tl.exp2(tl.dot(kt, tl.trans(qt)) * qk_scale - row_lse[None, :])  # [keys, rows]
-            pT = tl.where(seen[:, None] & row_ok[None, :], pT, 0.0)
+            pT = tl.where(seen, pT, 0.0)
             dv_acc += tl.dot(pT.to(do_t.dtype), do_t)
             dsT = pT * (tl.dot(vt, tl.trans(do_t)) - row_delta[None, :])
             dk_acc += tl.dot(dsT.to(qt.dtype), qt)
@@ -565,17 +599,23 @@ if triton is not None:
 
 
 def _block_attention_shapes(q, k, anchors, block_size):
-    """(B, H, Q, D, blocks, KV heads, context length, the kernels' row constants)."""
+    """(B, H, Q, D, blocks, KV heads, context length, query heads per KV head)."""
     B, H, Q, D = q.shape
     A, NKV = anchors.shape[1], k.shape[1]
     if Q != A * block_size or H % NKV or D < 16 or D & (D - 1):
         raise ValueError(f"block attention: q {tuple(q.shape)}, k {tuple(k.shape)}, {A} blocks of {block_size}")
-    rows = dict(G=H // NKV, BS=block_size, D=D, BLOCK_M=max(16, triton.next_power_of_2(H // NKV * block_size)))
-    return B, H, Q, D, A, NKV, k.shape[2] - Q, rows
+    return B, H, Q, D, A, NKV, k.shape[2] - Q, H // NKV
 
 
-def _own_keys(block_size):  # the block's own keys as one tile: tl.dot wants 16 or more
-    return max(16, triton.next_power_of_2(block_size))
+def _program_rows(rows, G, block_size, D):
+    """A kernel's row constants: as many whole blocks a program as fit `rows` (and MAX_ROWS), one
+    at least."""
+    P = max(1, min(rows, MAX_ROWS) // (G * block_size))
+    return dict(P=P, G=G, BS=block_size, D=D, BLOCK_M=max(16, triton.next_power_of_2(P * G * block_size)))
+
+
+def _own_keys(blocks, block_size):  # the blocks' own keys as one tile: tl.dot wants 16 or more
+    return max(16, triton.next_power_of_2(blocks * block_size))
 
 
 def _strides3(t):  # (batch, head, position); the last dim must be unit-stride
@@ -600,13 +640,14 @@ def key_tile_blocks(starts, anchors, seq_len, key_tile):
 def _block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, starts: torch.Tensor, anchors: torch.Tensor,
                      tile_blocks: torch.Tensor, block_size: int, key_tile: int) -> tuple[torch.Tensor, torch.Tensor]:
     q, k, v = _unit_last(q, k, v)
-    B, H, Q, D, A, NKV, L, rows = _block_attention_shapes(q, k, anchors, block_size)
+    B, H, Q, D, A, NKV, L, G = _block_attention_shapes(q, k, anchors, block_size)
     c = BLOCK_ATTENTION_CONFIG
     out = q.new_empty(B, Q, H, D).transpose(1, 2)  # the layout o_proj reads: [B, Q, H * D]
     lse = torch.empty(B, H, Q, dtype=torch.float32, device=q.device)
-    _block_attention_fwd[(A, B * NKV)](
+    rows = _program_rows(c["fwd_rows"], G, block_size, D)
+    _block_attention_fwd[(triton.cdiv(A, rows["P"]), B * NKV)](
         q, k, v, out, lse, starts, anchors, *_strides3(q), *_strides3(k), *_strides3(v), *_strides3(out),
-        A, L, NKV, D ** -0.5, **rows, BLOCK_N=c["fwd_keys"], BLOCK_B=_own_keys(block_size),
+        A, L, NKV, D ** -0.5, **rows, BLOCK_N=c["fwd_keys"], BLOCK_B=_own_keys(rows["P"], block_size),
         num_warps=c["fwd_warps"], num_stages=c["fwd_stages"])
     return out, lse
 
@@ -623,16 +664,19 @@ def _block_attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tens
                               tile_blocks: torch.Tensor, block_size: int,
                               key_tile: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     dout, q, k, v, out = _unit_last(dout, q, k, v, out)
-    B, H, Q, D, A, NKV, L, rows = _block_attention_shapes(q, k, anchors, block_size)
+    B, H, Q, D, A, NKV, L, G = _block_attention_shapes(q, k, anchors, block_size)
     c = BLOCK_ATTENTION_CONFIG
     dq, dk, dv = q.new_empty(B, Q, H, D).transpose(1, 2), torch.empty_like(k), torch.empty_like(v)
     delta = torch.empty_like(lse)
-    _block_attention_bwd_block[(A, B * NKV)](
+    rows = _program_rows(c["dq_rows"], G, block_size, D)
+    _block_attention_bwd_block[(triton.cdiv(A, rows["P"]), B * NKV)](
         q, k, v, out, dout, lse, delta, dq, dk, dv, starts, anchors,
         *_strides3(q), *_strides3(k), *_strides3(v), *_strides3(out), *_strides3(dout),
         *_strides3(dq), *_strides3(dk), *_strides3(dv), A, L, NKV, D ** -0.5,
-        **rows, BLOCK_N=c["dq_keys"], BLOCK_B=_own_keys(block_size), num_warps=c["dq_warps"], num_stages=c["dq_stages"])
+        **rows, BLOCK_N=c["dq_keys"], BLOCK_B=_own_keys(rows["P"], block_size), num_warps=c["dq_warps"],
+        num_stages=c["dq_stages"])
     NT = tile_blocks.shape[-1]
+    rows = _program_rows(c["dkdv_rows"], G, block_size, D)
     _block_attention_bwd_context[(NT, B * NKV)](
         q, k, v, dout, lse, delta, dk, dv, starts, anchors, tile_blocks[0], tile_blocks[1],
         *_strides3(q), *_strides3(k), *_strides3(v), *_strides3(dout), *_strides3(dk), *_strides3(dv),

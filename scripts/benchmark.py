@@ -559,6 +559,9 @@ def main():
     p.add_argument("--drafter-attention", choices=("auto", "flex", "triton"), default="auto",
                    help="the drafter's block attention: flex_attention or dflash_model's Triton kernels; auto: the "
                    "pipeline's choice")
+    p.add_argument("--attention-config", default="",
+                   help="comma list of KEY=VALUE over dm.BLOCK_ATTENTION_CONFIG (the Triton kernels' blocks a "
+                   "program, keys a tile, warps, stages), e.g. fwd_rows=128,fwd_warps=8")
     p.add_argument("--target-attention", choices=("dense", "flex"), default="flex",
                    help="the target stage's attention in the sections after 'target' (which times both)")
     p.add_argument("--iters", type=int, default=10)
@@ -594,6 +597,11 @@ def main():
     a.max_length = a.max_length or PRESET_BATCH[a.preset][1]
     skip = set(a.skip.split(","))
     dm.HEAD_CE_KERNEL = a.ce_kernel
+    for item in filter(None, a.attention_config.split(",")):
+        key, value = item.split("=")
+        if key not in dm.BLOCK_ATTENTION_CONFIG:
+            raise SystemExit(f"--attention-config: {key} is not one of {', '.join(dm.BLOCK_ATTENTION_CONFIG)}")
+        dm.BLOCK_ATTENTION_CONFIG[key] = int(value)
     from transformers import Qwen3Config
     cfg = Qwen3Config(**PRESETS[a.preset])
     layer_ids = dm.default_target_layer_ids(cfg.num_hidden_layers, a.draft_layers)
@@ -618,7 +626,7 @@ def main():
 
     report(f"# {time.strftime('%Y-%m-%d %H:%M')} {torch.cuda.get_device_name(0)} x{n_gpu}, torch {torch.__version__}")
     report(f"preset {a.preset}: batch {a.rows} x {a.max_length} tokens, {a.anchors} anchors/row x block {a.block}, "
-           f"{a.draft_layers} draft layers, target layers {layer_ids}, LM-head CE kernel {a.ce_kernel}, drafter attention {a.drafter_attention}; target on {target_devs}, drafter on {drafter_devs}")
+           f"{a.draft_layers} draft layers, target layers {layer_ids}, LM-head CE kernel {a.ce_kernel}, drafter attention {a.drafter_attention} {dm.BLOCK_ATTENTION_CONFIG}; target on {target_devs}, drafter on {drafter_devs}")
     report(f"FLOPs: {FORMULA}")
     results = {"preset": a.preset, "rows": a.rows, "max_length": a.max_length}
     t_flops = target_flops_per_token(cfg, max(layer_ids) + 1)

@@ -346,11 +346,15 @@ def test_flex_block_mask_on_gpu_equals_create_block_mask_forward_and_backward():
         assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize("rows", [64, 128])
 @pytest.mark.parametrize("block_size,D", [(16, 128), (10, 64)])
-def test_triton_block_attention_as_close_to_fp32_as_flex(block_size, D):
+def test_triton_block_attention_as_close_to_fp32_as_flex(block_size, D, rows, monkeypatch):
     # dm.block_attend's kernels in bf16 against the rule in fp32 (SDPA, dense mask) on the same
     # values unrounded, forward and the three gradients, as close as flex_attention in bf16 is:
-    # Qwen3-8B's heads (32 query, 8 KV: 4 x 16 rows a program), documents and padding.
+    # Qwen3-8B's heads (32 query, 8 KV: 4 x 16 rows a block), documents and padding; one block a
+    # program in every kernel, then two (three of 4 x 10 rows).
+    for kernel in ("fwd", "dq", "dkdv"):
+        monkeypatch.setitem(dm.BLOCK_ATTENTION_CONFIG, f"{kernel}_rows", rows)
     exact, case = (drafter_mask_case(H=32, KV=8, D=D, bs=block_size, dtype=dtype)
                    for dtype in (torch.float32, torch.bfloat16))
     want = output_and_grads(dm.sdpa_attend(dm.dense_block_mask(exact.anchors, exact.doc, block_size)), exact)

@@ -357,10 +357,14 @@ import dflash_model as dm
 torch.manual_seed(0)
 # (rows, query heads, KV heads, head_dim, context length, blocks, block size): heads x slots of
 # 16, 30 (padded to 32 rows) and 16 a program; a 16-slot block beside a 16-key tile. Key tiles
-# of 16 and 32, so blocks span several.
+# of 16 and 32, so blocks span several. Rows a program: 16, one block; then 48 and 64, 3 and 4
+# blocks of 16 rows, 1 and 2 of 30 (the last program short of blocks, blocks of different
+# documents in one program).
 cases = [(2, 4, 2, 32, 40, 6, 8), (1, 6, 2, 16, 50, 5, 10), (1, 2, 2, 16, 33, 3, 16)]
-for (B, H, NKV, D, L, A, bs), keys in zip(cases * 2, [(16, 16, 16)] * 3 + [(32, 16, 32)] * 3):
+configs = [(keys, rows) for rows in ((16, 16, 16), (48, 64, 64)) for keys in ((16, 16, 16), (32, 16, 32))]
+for (B, H, NKV, D, L, A, bs), (keys, rows) in zip(cases * 4, [c for c in configs for _ in cases]):
     dm.BLOCK_ATTENTION_CONFIG.update(zip(("fwd_keys", "dq_keys", "dkdv_keys"), keys))
+    dm.BLOCK_ATTENTION_CONFIG.update(zip(("fwd_rows", "dq_rows", "dkdv_rows"), rows))
     doc = torch.zeros(B, L, dtype=torch.long)
     doc[:, 15 if L < 48 else 31:] = 1  # a document starting on a tile's last key
     doc[:, L - 5:] = 2  # three documents a row, the last one short like padding
@@ -377,7 +381,7 @@ for (B, H, NKV, D, L, A, bs), keys in zip(cases * 2, [(16, 16, 16)] * 3 + [(32, 
         out.backward(grad_out)
         results.append([out.detach(), q.grad, k.grad, v.grad])
     for name, want, got in zip(("out", "dq", "dk", "dv"), *results):
-        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4, msg=lambda m: f"{name} {(B, H, NKV, D, L, A, bs)}: {m}")
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4, msg=lambda m: f"{name} {(B, H, NKV, D, L, A, bs)} {keys} {rows}: {m}")
 print("ok")
 """
 

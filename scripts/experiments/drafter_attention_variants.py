@@ -11,10 +11,10 @@ Qwen3-8B shapes (4 rows x 3072 tokens, 512 anchors x block 16, 32 heads / 8 KV h
   bounds_kv64 bounds over 128-query x 64-key tiles (kernel blocks of 64 keys to match)
   triton      dflash_model.block_attend: the Triton kernels over exactly the keys each block
               sees, once per configuration in --triton-configs (dm.BLOCK_ATTENTION_CONFIG's
-              values in its order: keys, warps, stages of the forward, the per-block backward
-              and the per-key-tile backward; the first is the one in use)
+              values in its order: rows a program, keys, warps, stages of the forward, the
+              per-block backward and the per-key-tile backward; the first is the one in use)
 
-    python scripts/experiments/drafter_attention_variants.py [--variants bounds,triton,...]
+    python scripts/experiments/drafter_attention_variants.py [--variants bounds,triton,...] [--heads 16]
 
 Prints per variant: ms forward, ms forward+backward, and the largest difference of output and
 q/k/v gradients from the first variant's (bf16)."""
@@ -104,18 +104,24 @@ def measure(name, attend, c, iters, want):
 
 
 def main():
+    global H
     p = argparse.ArgumentParser()
     # bounds_safe (NaN under this mask), bounds_kv64 (no backward config), doc_gather and split
     # (slower) lost in the twentieth and twenty-second sessions: asked for by name only
     p.add_argument("--variants", default="bounds,triton")
     in_use = ",".join(str(v) for v in dm.BLOCK_ATTENTION_CONFIG.values())
-    # The twenty-third session settled the per-block backward (32 keys, 4 warps, 3 stages); the
-    # per-key-tile one (11.6 ms of the step's 28.8) is now the largest: these vary it alone
-    p.add_argument("--triton-configs", default=";".join([
-        in_use, "64,4,3,32,4,3,64,4,3", "64,4,3,32,4,3,64,4,1", "64,4,3,32,4,3,64,2,2", "64,4,3,32,4,3,32,2,2",
-        "64,4,3,32,4,3,128,8,3", "64,4,3,32,4,3,128,8,1", "64,4,3,32,4,3,64,8,1"]))
+    # The twenty-sixth session's: one block a program in every kernel (16 rows: one block at
+    # least), then 64 and 128 rows for each kernel in turn
+    one = "16,64,4,3", "16,32,4,3", "16,64,4,2"
+    more = {0: ["64,64,4,3", "128,64,8,3", "128,64,4,3", "128,32,4,3", "128,64,8,2", "128,128,8,2"],
+            1: ["128,32,8,3", "128,32,4,3", "128,64,8,3", "128,16,4,3", "128,32,8,2", "64,64,4,3"],
+            2: ["128,64,8,2", "128,64,4,2", "128,32,4,2", "128,64,8,3", "128,128,8,2", "128,32,8,2", "64,64,4,2"]}
+    sweep = [",".join(one[:i] + (c,) + one[i + 1:]) for i in range(3) for c in more[i]]
+    p.add_argument("--triton-configs", default=";".join(dict.fromkeys([in_use, ",".join(one)] + sweep)))
     p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--heads", type=int, default=H, help="query heads (8 KV heads): 16 for Qwen3-1.7B's")
     a = p.parse_args()
+    H = a.heads
     c = drafter_attention_case("cuda")
     attend = variants(c, dm.flex_kernel_options(torch.device("cuda"), D))
     want = None
