@@ -436,11 +436,33 @@ if triton is not None:
         return row_ok, blk, head, pos, (b * NKV * G + head) * (A * BS) + pos
 
     @triton.jit
-    def _row_ranges(starts, anchors, b, A, blk, row_ok):
-        """Each row's context keys [start, end): its block's document start and anchor (an empty
-        range for rows out of bounds)."""
-        return (tl.load(starts + b * A + blk, mask=row_ok, other=0),
-                tl.load(anchors + b * A + blk, mask=row_ok, other=0))
+    def _row_ranges(starts, anchors, b, A, blk0, blk, row_ok, P: tl.constexpr):
+        """Each row's context keys [start, end): its block's document start and anchor. One block
+        a program: two numbers for all its rows; else a pair a row (empty for rows out of bounds)."""
+        if P == 1:
+            start = tl.load(starts + b * A + blk0)
+            end = tl.load(anchors + b * A + blk0)
+        else:
+            start = tl.load(starts + b * A + blk, mask=row_ok, other=0)
+            end = tl.load(anchors + b * A + blk, mask=row_ok, other=0)
+        return start, end
+
+    @triton.jit
+    def _sees(keys, start, end, P: tl.constexpr, KEYS_FIRST: tl.constexpr):
+        """Whether each row sees each of keys, [rows, keys] or [keys, rows] (start, end from
+        _row_ranges; one block a program: a mask over keys, broadcast over rows)."""
+        if P == 1:
+            in_range = (keys >= start) & (keys < end)
+            if KEYS_FIRST:
+                seen = in_range[:, None]
+            else:
+                seen = in_range[None, :]
+        else:
+            if KEYS_FIRST:
+                seen = (keys[:, None] >= start[None, :]) & (keys[:, None] < end[None, :])
+            else:
+                seen = (keys[None, :] >= start[:, None]) & (keys[None, :] < end[:, None])
+        return seen
 
     @triton.jit
     def _own_key_tile(blk0, A, P: tl.constexpr, BS: tl.constexpr, BLOCK_B: tl.constexpr):
@@ -493,7 +515,7 @@ if triton is not None:
         blk0, bh = tl.program_id(0) * P, tl.program_id(1)
         b, kvh = (bh // NKV).to(tl.int64), bh % NKV
         row_ok, blk, head, pos, row_stat = _block_rows(blk0, A, b, kvh, NKV, A, P, G, BS, BLOCK_M)
-        row_start, row_end = _row_ranges(starts, anchors, b, A, blk, row_ok)
+        row_start, row_end = _row_ranges(starts, anchors, b, A, blk0, blk, row_ok, P)
         d = tl.arange(0, D)
         qk_scale = _base2(sm_scale)
         qt = tl.load(_rows(q + b * sqb + head * sqh, pos, sqs, d), mask=row_ok[:, None], other=0.0)
@@ -506,7 +528,7 @@ if triton is not None:
         for n0 in range(start, end, BLOCK_N):  # the context keys they see
             keys = n0 + tl.arange(0, BLOCK_N)
             kt, vt = _key_tile(k_head, v_head, keys, keys < end, sks, svs, d)
-            seen = (keys[None, :] >= row_start[:, None]) & (keys[None, :] < row_end[:, None])
+            seen = _sees(keys, row_start, row_end, P, False)
             m, l_sum, acc = _softmax_update(qt, kt, vt, seen, m, l_sum, acc, qk_scale)
         key_ok, key_blk, own = _own_key_tile(blk0, A, P, BS, BLOCK_B)  # then their own keys, after the L context keys
         kt, vt = _key_tile(k_head, v_head, L + own, key_ok, sks, svs, d)
@@ -528,7 +550,7 @@ if triton is not None:
         blk0, bh = tl.program_id(0) * P, tl.program_id(1)
         b, kvh = (bh // NKV).to(tl.int64), bh % NKV
         row_ok, blk, head, pos, row_stat = _block_rows(blk0, A, b, kvh, NKV, A, P, G, BS, BLOCK_M)
-        row_start, row_end = _row_ranges(starts, anchors, b, A, blk, row_ok)
+        row_start, row_end = _row_ranges(starts, anchors, b, A, blk0, blk, row_ok, P)
         d = tl.arange(0, D)
         qk_scale = _base2(sm_scale)
         qt = tl.load(_rows(q + b * sqb + head * sqh, pos, sqs, d), mask=row_ok[:, None], other=0.0)
@@ -543,7 +565,7 @@ if triton is not None:
         for n0 in range(start, end, BLOCK_N):
             keys = n0 + tl.arange(0, BLOCK_N)
             kt, vt = _key_tile(k_head, v_head, keys, keys < end, sks, svs, d)
-            seen = (keys[None, :] >= row_start[:, None]) & (keys[None, :] < row_end[:, None])
+            seen = _sees(keys, row_start, row_end, P, False)
             p, ds = _score_grads(qt, do_t, kt, vt, seen, row_lse, row_delta, qk_scale)
             acc += tl.dot(ds.to(kt.dtype), kt)
         key_ok, key_blk, own = _own_key_tile(blk0, A, P, BS, BLOCK_B)
@@ -586,8 +608,8 @@ if triton is not None:
             do_t = tl.load(_rows(dout + b * sgb + head * sgh, pos, sgs, d), mask=row_ok[:, None], other=0.0)
             row_lse = tl.load(lse + row_stat, mask=row_ok, other=0.0)
             row_delta = tl.load(delta + row_stat, mask=row_ok, other=0.0)
-            row_start, row_end = _row_ranges(starts, anchors, b, A, blk, row_ok)
-            seen = (keys[:, None] >= row_start[None, :]) & (keys[:, None] < row_end[None, :])
+            row_start, row_end = _row_ranges(starts, anchors, b, A, blk0, blk, row_ok, P)
+            seen = _sees(keys, row_start, row_end, P, True) & row_ok[None, :]
             pT = tl.exp2(tl.dot(kt, tl.trans(qt)) * qk_scale - row_lse[None, :])  # [keys, rows]
             pT = tl.where(seen, pT, 0.0)
             dv_acc += tl.dot(pT.to(do_t.dtype), do_t)
