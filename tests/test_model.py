@@ -398,25 +398,12 @@ def test_block_attention_kernels_compile_for_hopper(heads_per_kv, rows):
     # Triton's GPU compiler, down to ptxas (which triton ships), runs without a GPU: a kernel the
     # interpreter runs may still fail to compile, which otherwise only a GPU session finds. One
     # block a program (4 heads x 16 slots in 64 rows), then 2 and 4 blocks.
-    triton = pytest.importorskip("triton")
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-    c = dm.BLOCK_ATTENTION_CONFIG
-    pointers = dict.fromkeys(("q", "k", "v", "out", "dout", "dq", "dk", "dv"), "*bf16")
-    pointers.update(dict.fromkeys(("lse", "delta"), "*fp32"), **dict.fromkeys(("starts", "anchors", "first_block", "end_block"), "*i32"))
-    for kernel, name, own_keys in ((dm._block_attention_fwd, "fwd", True), (dm._block_attention_bwd_block, "dq", True),
-                                   (dm._block_attention_bwd_context, "dkdv", False)):
-        program = dm._program_rows(rows, heads_per_kv, 16, 128)
-        assert program["P"] == rows // (heads_per_kv * 16) and program["BLOCK_M"] == rows
-        constexprs = dict(program, BLOCK_N=c[f"{name}_keys"])
-        if own_keys:
-            constexprs["BLOCK_B"] = dm._own_keys(program["P"], 16)
-        signature = {n: "constexpr" if n in constexprs else pointers.get(n, "fp32" if n == "sm_scale" else "i32")
-                     for n in kernel.arg_names}
-        compiled = triton.compile(ASTSource(fn=kernel, signature=signature, constexprs=constexprs),
-                                  target=GPUTarget("cuda", 90, 32),
-                                  options=dict(num_warps=c[f"{name}_warps"], num_stages=c[f"{name}_stages"]))
-        assert ".entry " + kernel.__name__ in compiled.asm["ptx"] and compiled.asm["cubin"]
+    pytest.importorskip("triton")
+    from scripts.experiments.hopper_compile import compile_block_attention
+    program = dm._program_rows(rows, heads_per_kv, 16, 128)
+    assert program["P"] == rows // (heads_per_kv * 16) and program["BLOCK_M"] == rows
+    for name, compiled in compile_block_attention(dm, heads_per_kv, rows).items():
+        assert f".entry {name}" in compiled.asm["ptx"] and compiled.asm["cubin"], name
 
 
 def test_save_load_round_trip(tmp_path):

@@ -1,0 +1,76 @@
+"""The block attention's Triton kernels compiled for an H100/H200 (sm_90) on a machine with no GPU:
+Triton's compiler and ptxas (which triton ships) need none. Prints each kernel's SASS
+instructions, registers and stack (spills) a thread (triton's cuobjdump and nvdisasm), for this
+tree's dflash_model.py and any others given, at one block a program
+(Qwen3-8B's 4 heads a KV head x 16 slots) unless --heads-per-kv / --rows say otherwise.
+
+    python scripts/experiments/hopper_compile.py [--trees .ab/base/dflash_model.py,...]
+
+tests/test_model.py compiles the same way, so a kernel that Triton's interpreter runs but the GPU
+compiler rejects fails on the CPU too."""
+import argparse, importlib.util, os, re, subprocess, sys, tempfile
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+POINTERS = {**dict.fromkeys(("q", "k", "v", "out", "dout", "dq", "dk", "dv"), "*bf16"),
+            **dict.fromkeys(("lse", "delta"), "*fp32"),
+            **dict.fromkeys(("starts", "anchors", "first_block", "end_block"), "*i32")}
+
+
+def compile_block_attention(dm, heads_per_kv, rows, block_size=16, head_dim=128):
+    """{kernel name: compiled kernel} of dm's three block-attention kernels for sm_90, with
+    dm.BLOCK_ATTENTION_CONFIG's keys, warps and stages and as many blocks a program as fit rows
+    (trees before the twenty-sixth session: one block a program, their only layout)."""
+    c = dm.BLOCK_ATTENTION_CONFIG
+    out = {}
+    for kernel, name in ((dm._block_attention_fwd, "fwd"), (dm._block_attention_bwd_block, "dq"),
+                         (dm._block_attention_bwd_context, "dkdv")):
+        blocks = max(1, rows // (heads_per_kv * block_size)) if "P" in kernel.arg_names else 1
+        constexprs = dict(G=heads_per_kv, BS=block_size, D=head_dim, BLOCK_N=c[f"{name}_keys"],
+                          BLOCK_M=max(16, triton.next_power_of_2(blocks * heads_per_kv * block_size)))
+        if "P" in kernel.arg_names:
+            constexprs["P"] = blocks
+        if "BLOCK_B" in kernel.arg_names:
+            constexprs["BLOCK_B"] = max(16, triton.next_power_of_2(blocks * block_size))
+        signature = {n: "constexpr" if n in constexprs else POINTERS.get(n, "fp32" if n == "sm_scale" else "i32")
+                     for n in kernel.arg_names}
+        out[kernel.__name__] = triton.compile(ASTSource(fn=kernel, signature=signature, constexprs=constexprs),
+                                              target=GPUTarget("cuda", 90, 32),
+                                              options=dict(num_warps=c[f"{name}_warps"], num_stages=c[f"{name}_stages"]))
+    return out
+
+
+def sass_summary(kernel):
+    """(SASS instructions, registers a thread, stack bytes a thread) of a compiled kernel's cubin."""
+    tools = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(kernel.asm["cubin"])
+        f.flush()
+        usage = subprocess.run([os.path.join(tools, "cuobjdump"), "--dump-resource-usage", f.name],
+                               capture_output=True, text=True, check=True).stdout
+        sass = subprocess.run([os.path.join(tools, "nvdisasm"), f.name], capture_output=True, text=True, check=True).stdout
+    regs, stack = (int(re.search(rf"{key}:(\d+)", usage).group(1)) for key in ("REG", "STACK"))
+    return sum(1 for line in sass.splitlines() if re.search(r"/\*[0-9a-f]{4}\*/", line)), regs, stack
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--trees", default="", help="comma list of other dflash_model.py files to compile beside this tree's")
+    p.add_argument("--heads-per-kv", type=int, default=4)
+    p.add_argument("--rows", type=int, default=64)
+    a = p.parse_args()
+    for i, path in enumerate([os.path.join(ROOT, "dflash_model.py")] + list(filter(None, a.trees.split(",")))):
+        spec = importlib.util.spec_from_file_location(f"dflash_model_{i}", path)
+        dm = importlib.util.module_from_spec(spec)
+        sys.path.insert(0, os.path.dirname(os.path.abspath(path)))
+        spec.loader.exec_module(dm)
+        for name, k in compile_block_attention(dm, a.heads_per_kv, a.rows).items():
+            instructions, regs, stack = sass_summary(k)
+            print(f"{path}: {name}: {instructions} SASS instructions, {regs} registers, {stack} B stack a thread",
+                  flush=True)
+
+
+if __name__ == "__main__":
+    main()
