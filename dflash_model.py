@@ -465,12 +465,19 @@ if triton is not None:
         return seen
 
     @triton.jit
-    def _own_key_tile(blk0, A, P: tl.constexpr, BS: tl.constexpr, BLOCK_B: tl.constexpr):
-        """The program's blocks' own keys as one tile: (key ok, the block each belongs to, its
-        position among the blocks' keys)."""
+    def _key_span(starts, anchors, b, A, blk0, P: tl.constexpr):
+        """The context keys any of the program's blocks sees: from the first block's document
+        start to the last block's anchor (both sorted)."""
+        return tl.load(starts + b * A + blk0), tl.load(anchors + b * A + tl.minimum(blk0 + P, A) - 1)
+
+    @triton.jit
+    def _own_key_tile(blk0, blk, row_ok, A, P: tl.constexpr, BS: tl.constexpr, BLOCK_B: tl.constexpr):
+        """The program's blocks' own keys as one tile: (key ok, their positions among the blocks'
+        keys, whether each row sees each: its own block's keys only)."""
         keys = tl.arange(0, BLOCK_B)
         key_blk = blk0 + keys // BS
-        return (keys < P * BS) & (key_blk < A), key_blk, blk0 * BS + keys
+        key_ok = (keys < P * BS) & (key_blk < A)
+        return key_ok, blk0 * BS + keys, (key_blk[None, :] == blk[:, None]) & key_ok[None, :] & row_ok[:, None]
 
     @triton.jit
     def _rows(base, pos, stride, d):
@@ -520,8 +527,7 @@ if triton is not None:
         qk_scale = _base2(sm_scale)
         qt = tl.load(_rows(q + b * sqb + head * sqh, pos, sqs, d), mask=row_ok[:, None], other=0.0)
         k_head, v_head = k + b * skb + kvh * skh, v + b * svb + kvh * svh
-        # the union of the blocks' ranges: the first block's start, the last block's anchor
-        start, end = tl.load(starts + b * A + blk0), tl.load(anchors + b * A + tl.minimum(blk0 + P, A) - 1)
+        start, end = _key_span(starts, anchors, b, A, blk0, P)
         m = tl.full((BLOCK_M,), float("-inf"), tl.float32)
         l_sum = tl.zeros((BLOCK_M,), tl.float32)
         acc = tl.zeros((BLOCK_M, D), tl.float32)
@@ -530,9 +536,8 @@ if triton is not None:
             kt, vt = _key_tile(k_head, v_head, keys, keys < end, sks, svs, d)
             seen = _sees(keys, row_start, row_end, P, False)
             m, l_sum, acc = _softmax_update(qt, kt, vt, seen, m, l_sum, acc, qk_scale)
-        key_ok, key_blk, own = _own_key_tile(blk0, A, P, BS, BLOCK_B)  # then their own keys, after the L context keys
+        key_ok, own, seen = _own_key_tile(blk0, blk, row_ok, A, P, BS, BLOCK_B)  # then their own keys, after the L context keys
         kt, vt = _key_tile(k_head, v_head, L + own, key_ok, sks, svs, d)
-        seen = (key_blk[None, :] == blk[:, None]) & key_ok[None, :] & row_ok[:, None]
         m, l_sum, acc = _softmax_update(qt, kt, vt, seen, m, l_sum, acc, qk_scale)
         tl.store(_rows(out + b * sob + head * soh, pos, sos, d), (acc / l_sum[:, None]).to(out.dtype.element_ty),
                  mask=row_ok[:, None])
@@ -560,7 +565,7 @@ if triton is not None:
         tl.store(delta + row_stat, row_delta, mask=row_ok)
         row_lse = tl.load(lse + row_stat, mask=row_ok, other=0.0)
         k_head, v_head = k + b * skb + kvh * skh, v + b * svb + kvh * svh
-        start, end = tl.load(starts + b * A + blk0), tl.load(anchors + b * A + tl.minimum(blk0 + P, A) - 1)
+        start, end = _key_span(starts, anchors, b, A, blk0, P)
         acc = tl.zeros((BLOCK_M, D), tl.float32)
         for n0 in range(start, end, BLOCK_N):
             keys = n0 + tl.arange(0, BLOCK_N)
@@ -568,9 +573,8 @@ if triton is not None:
             seen = _sees(keys, row_start, row_end, P, False)
             p, ds = _score_grads(qt, do_t, kt, vt, seen, row_lse, row_delta, qk_scale)
             acc += tl.dot(ds.to(kt.dtype), kt)
-        key_ok, key_blk, own = _own_key_tile(blk0, A, P, BS, BLOCK_B)
+        key_ok, own, seen = _own_key_tile(blk0, blk, row_ok, A, P, BS, BLOCK_B)
         kt, vt = _key_tile(k_head, v_head, L + own, key_ok, sks, svs, d)
-        seen = (key_blk[None, :] == blk[:, None]) & key_ok[None, :] & row_ok[:, None]
         p, ds = _score_grads(qt, do_t, kt, vt, seen, row_lse, row_delta, qk_scale)
         acc += tl.dot(ds.to(kt.dtype), kt)
         tl.store(_rows(dq + b * sdqb + head * sdqh, pos, sdqs, d), (acc * sm_scale).to(dq.dtype.element_ty),

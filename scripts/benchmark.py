@@ -560,7 +560,7 @@ def main():
                    help="the drafter's block attention: flex_attention or dflash_model's Triton kernels; auto: the "
                    "pipeline's choice")
     p.add_argument("--attention-config", default="",
-                   help="comma list of KEY=VALUE over dm.BLOCK_ATTENTION_CONFIG (the Triton kernels' blocks a "
+                   help="comma list of KEY=VALUE over dm.BLOCK_ATTENTION_CONFIG (the Triton kernels' rows a "
                    "program, keys a tile, warps, stages), e.g. fwd_rows=128,fwd_warps=8")
     p.add_argument("--target-attention", choices=("dense", "flex"), default="flex",
                    help="the target stage's attention in the sections after 'target' (which times both)")

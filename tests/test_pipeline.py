@@ -782,17 +782,10 @@ torch.manual_seed(0)
 init = [torch.randn(s) for s in [(37, 5), (11,), (3, 4, 6)]]
 n, lr, wd = sum(p.numel() for p in init), 0.05, 0.1
 
-def views(flat, params):
-    out, at = [], 0
-    for p in params:
-        out.append(flat[at:at + p.numel()].view_as(p))
-        at += p.numel()
-    return out
-
 def flat_adamw(params):  # as DrafterWorker builds it: the gradients are views of the flat buffer
     flat_grad = torch.zeros(n)
     opt = tp.FlatAdamW(params, flat_grad, torch.tensor(lr), wd)
-    for p, g in zip(params, views(flat_grad, params)):
+    for p, g in zip(params, tp.flat_views(flat_grad, params)):
         p.grad = g
     return opt
 
@@ -804,7 +797,7 @@ for step in range(5):
     g = torch.randn(n) * (10 if step == 2 else 1)
     clip = torch.clamp(1.0 / (g.norm() + 1e-6), max=1.0)  # every step clipped (the norm is about 17)
     opt.flat_grad.copy_(g)
-    for p, gp in zip(ref, views(g * clip, ref)):
+    for p, gp in zip(ref, tp.flat_views(g * clip, ref)):
         p.grad = gp
     ref_opt.step()
     opt.step(clip)
@@ -812,7 +805,7 @@ for step in range(5):
         torch.testing.assert_close(q, p, rtol=1e-6, atol=1e-7)
         # within one bf16 step: the interpreter truncates where the GPU rounds (tests/test_gpu.py: equal)
         torch.testing.assert_close(q_bf16.float(), q.detach().float(), rtol=2 ** -7, atol=0)
-    assert [p.data_ptr() for p in mine] == [v.data_ptr() for v in views(opt.flat_param, mine)]
+    assert [p.data_ptr() for p in mine] == [v.data_ptr() for v in tp.flat_views(opt.flat_param, mine)]
 # Its state_dict loads into torch's AdamW (with that one's own settings kept, as
 # DrafterWorker.load_optimizer_state does), torch's into it, and all three go on as one.
 state = copy.deepcopy(opt.state_dict())
@@ -828,10 +821,10 @@ loaded = [p.detach().clone().requires_grad_() for p in ref]
 loaded_opt = flat_adamw(loaded)
 loaded_opt.load_state_dict(copy.deepcopy(ref_opt.state_dict()))
 st = loaded_opt.state[loaded[1]]  # the loaded moments are the kernel's flat buffers again
-assert st["exp_avg"].data_ptr() == views(loaded_opt.exp_avg, loaded)[1].data_ptr() and float(st["step"]) == 5
+assert st["exp_avg"].data_ptr() == tp.flat_views(loaded_opt.exp_avg, loaded)[1].data_ptr() and float(st["step"]) == 5
 g = torch.randn(n)
 loaded_opt.flat_grad.copy_(g)
-for p, q, gp in zip(torchs, ref, views(g, ref)):
+for p, q, gp in zip(torchs, ref, tp.flat_views(g, ref)):
     p.grad, q.grad = gp.clone(), gp.clone()
 torchs_opt.step(); ref_opt.step(); loaded_opt.step(torch.tensor(1.0))
 for p, q, r in zip(torchs, ref, loaded):

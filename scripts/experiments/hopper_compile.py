@@ -21,19 +21,20 @@ POINTERS = {**dict.fromkeys(("q", "k", "v", "out", "dout", "dq", "dk", "dv"), "*
 
 def compile_block_attention(dm, heads_per_kv, rows, block_size=16, head_dim=128):
     """{kernel name: compiled kernel} of dm's three block-attention kernels for sm_90, with
-    dm.BLOCK_ATTENTION_CONFIG's keys, warps and stages and as many blocks a program as fit rows
-    (trees before the twenty-sixth session: one block a program, their only layout)."""
+    dm.BLOCK_ATTENTION_CONFIG's keys, warps and stages and the row layout dm's launches use for
+    `rows` (trees before the twenty-sixth session: one block a program, their only layout)."""
     c = dm.BLOCK_ATTENTION_CONFIG
+    several = hasattr(dm, "_program_rows")
+    program = (dm._program_rows(rows, heads_per_kv, block_size, head_dim) if several else
+               dict(G=heads_per_kv, BS=block_size, D=head_dim,
+                    BLOCK_M=max(16, triton.next_power_of_2(heads_per_kv * block_size))))
+    own_keys = dm._own_keys(program["P"], block_size) if several else dm._own_keys(block_size)
     out = {}
     for kernel, name in ((dm._block_attention_fwd, "fwd"), (dm._block_attention_bwd_block, "dq"),
                          (dm._block_attention_bwd_context, "dkdv")):
-        blocks = max(1, rows // (heads_per_kv * block_size)) if "P" in kernel.arg_names else 1
-        constexprs = dict(G=heads_per_kv, BS=block_size, D=head_dim, BLOCK_N=c[f"{name}_keys"],
-                          BLOCK_M=max(16, triton.next_power_of_2(blocks * heads_per_kv * block_size)))
-        if "P" in kernel.arg_names:
-            constexprs["P"] = blocks
+        constexprs = dict(program, BLOCK_N=c[f"{name}_keys"])
         if "BLOCK_B" in kernel.arg_names:
-            constexprs["BLOCK_B"] = max(16, triton.next_power_of_2(blocks * block_size))
+            constexprs["BLOCK_B"] = own_keys
         signature = {n: "constexpr" if n in constexprs else POINTERS.get(n, "fp32" if n == "sm_scale" else "i32")
                      for n in kernel.arg_names}
         out[kernel.__name__] = triton.compile(ASTSource(fn=kernel, signature=signature, constexprs=constexprs),
