@@ -432,7 +432,10 @@ if triton is not None:
         rows = tl.arange(0, BLOCK_M)
         blk, within = blk0 + rows // (G * BS), rows % (G * BS)
         head, pos = (kvh * G + within // BS).to(tl.int64), blk * BS + within % BS
-        row_ok = (rows < P * G * BS) & (blk < end_blk)
+        if P == 1:  # blk0 < end_blk by the grid and the loops: a mask the compiler can drop
+            row_ok = rows < G * BS
+        else:
+            row_ok = (rows < P * G * BS) & (blk < end_blk)
         return row_ok, blk, head, pos, (b * NKV * G + head) * (A * BS) + pos
 
     @triton.jit
