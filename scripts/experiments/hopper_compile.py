@@ -1,6 +1,7 @@
 """The block attention's Triton kernels compiled for an H100/H200 (sm_90) on a machine with no GPU:
 Triton's compiler and ptxas (which triton ships) need none. Prints each kernel's SASS
-instructions, registers and stack (spills) a thread (triton's cuobjdump and nvdisasm), for this
+instructions, registers and stack (spills) a thread (triton's cuobjdump and nvdisasm) and its
+loads pipelined into shared memory (async copies in the TTGIR), for this
 tree's dflash_model.py and any others given, at one block a program
 (Qwen3-8B's 4 heads a KV head x 16 slots) unless --heads-per-kv / --rows say otherwise.
 
@@ -37,7 +38,12 @@ def compile_block_attention(dm, heads_per_kv, rows, block_size=16, head_dim=128)
             constexprs["BLOCK_B"] = own_keys
         signature = {n: "constexpr" if n in constexprs else POINTERS.get(n, "fp32" if n == "sm_scale" else "i32")
                      for n in kernel.arg_names}
-        out[kernel.__name__] = triton.compile(ASTSource(fn=kernel, signature=signature, constexprs=constexprs),
+        # As Triton's launcher specializes them: 16-byte aligned pointers, and integers that are
+        # multiples of 16 (every stride, a multiple of head_dim; A and L; not the 8 KV heads).
+        aligned = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(kernel.arg_names)
+                   if signature[n] not in ("constexpr", "fp32") and n != "NKV"}
+        out[kernel.__name__] = triton.compile(ASTSource(fn=kernel, signature=signature, constexprs=constexprs,
+                                                        attrs=aligned),
                                               target=GPUTarget("cuda", 90, 32),
                                               options=dict(num_warps=c[f"{name}_warps"], num_stages=c[f"{name}_stages"]))
     return out
@@ -53,7 +59,8 @@ def sass_summary(kernel):
                                capture_output=True, text=True, check=True).stdout
         sass = subprocess.run([os.path.join(tools, "nvdisasm"), f.name], capture_output=True, text=True, check=True).stdout
     regs, stack = (int(re.search(rf"{key}:(\d+)", usage).group(1)) for key in ("REG", "STACK"))
-    return sum(1 for line in sass.splitlines() if re.search(r"/\*[0-9a-f]{4}\*/", line)), regs, stack
+    # an instruction's line: its offset, then an opcode (a predicate first, maybe); not .byte data
+    return sum(1 for line in sass.splitlines() if re.search(r"/\*[0-9a-f]{4,}\*/\s+[@A-Z]", line)), regs, stack
 
 
 def main():
@@ -69,8 +76,9 @@ def main():
         spec.loader.exec_module(dm)
         for name, k in compile_block_attention(dm, a.heads_per_kv, a.rows).items():
             instructions, regs, stack = sass_summary(k)
-            print(f"{path}: {name}: {instructions} SASS instructions, {regs} registers, {stack} B stack a thread",
-                  flush=True)
+            copies = k.asm["ttgir"].count("async_copy_global_to_local")  # loads pipelined into shared memory
+            print(f"{path}: {name}: {instructions} SASS instructions, {regs} registers, {stack} B stack a thread, "
+                  f"{copies} async copies", flush=True)
 
 
 if __name__ == "__main__":
