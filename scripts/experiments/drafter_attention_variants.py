@@ -28,18 +28,18 @@ from torch.nn.attention.flex_attention import AuxRequest, create_block_mask, fle
 B, A, bs, L, H, KV, D = 4, 512, 16, 3072, 32, 8, 128
 
 
-def drafter_attention_case(dev):
-    """Sorted anchors, documents, and seeded bf16 q/k/v and output gradient at the shapes above
-    (q in the layout DraftAttention hands over)."""
+def drafter_attention_case(dev, heads=H):
+    """Sorted anchors, documents, and seeded bf16 q/k/v and output gradient at the shapes above,
+    with `heads` query heads (q in the layout DraftAttention hands over)."""
     doc = synthetic_batch(types.SimpleNamespace(rows=B, max_length=L), vocab=1000, device="cpu")["doc_ids"]
     g = torch.Generator().manual_seed(0)
     anchors = torch.sort(torch.rand(B, L, generator=g).topk(A, dim=1).indices, dim=1).values
     Q, S = A * bs, L + A * bs
     bf16 = lambda *shape: torch.randn(*shape, generator=g).to(dev, torch.bfloat16)  # noqa: E731
     return types.SimpleNamespace(doc=doc.to(dev), anchors=anchors.to(dev), Q=Q, S=S,
-                                 q=bf16(B, Q, H, D).transpose(1, 2).requires_grad_(),
+                                 q=bf16(B, Q, heads, D).transpose(1, 2).requires_grad_(),
                                  k=bf16(B, KV, S, D).requires_grad_(), v=bf16(B, KV, S, D).requires_grad_(),
-                                 gout=bf16(B, H, Q, D))
+                                 gout=bf16(B, heads, Q, D))
 
 
 def variants(c, options):
@@ -62,6 +62,7 @@ def variants(c, options):
         out_ctx, aux = flex_attention(q, k[:, :, :L], v[:, :, :L], block_mask=context_mask, enable_gqa=True,
                                       kernel_options=options, return_aux=AuxRequest(lse=True))
         lse_ctx = aux.lse  # [B, H, Q], natural log
+        H = q.shape[1]
         qb = q.view(B, KV, H // KV, A, bs, D)
         kb, vb = (t[:, :, L:].view(B, KV, 1, A, bs, D).float() for t in (k, v))
         scores = (qb.float() @ kb.transpose(-1, -2)) * D ** -0.5
@@ -104,7 +105,6 @@ def measure(name, attend, c, iters, want):
 
 
 def main():
-    global H
     p = argparse.ArgumentParser()
     # bounds_safe (NaN under this mask), bounds_kv64 (no backward config), doc_gather and split
     # (slower) lost in the twentieth and twenty-second sessions: asked for by name only
@@ -121,8 +121,7 @@ def main():
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--heads", type=int, default=H, help="query heads (8 KV heads): 16 for Qwen3-1.7B's")
     a = p.parse_args()
-    H = a.heads
-    c = drafter_attention_case("cuda")
+    c = drafter_attention_case("cuda", a.heads)
     attend = variants(c, dm.flex_kernel_options(torch.device("cuda"), D))
     want = None
     runs = [(name, None) for name in a.variants.split(",") if name != "triton"]
