@@ -13,6 +13,7 @@ without the target running beside it; MFU of each stage from the formulas printe
 import argparse
 import gc
 import json
+import math
 import os
 import sys
 import threading
@@ -256,10 +257,11 @@ def profile_kernels(step, device, path, report, steps=3):
     for s in range(2):
         step(s)
     torch.cuda.synchronize(device)
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], record_shapes=True) as prof:
         for s in range(steps):
             step(10 + s)
         torch.cuda.synchronize(device)
+    matmul_shapes(prof, steps, path + ".matmuls")
     # Not the annotated ranges on the GPU's timeline (the optimizer's step, "Optimizer.step#AdamW.step"):
     # their kernels are counted already
     kernels = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA
@@ -280,6 +282,29 @@ def profile_kernels(step, device, path, report, steps=3):
     with open(path, "w") as f:
         f.write("\n".join(lines) + "\n")
     return {e.key: (time_of(e) / steps / 1e3, e.count / steps) for e in kernels}
+
+
+def matmul_shapes(prof, steps, path):
+    """Per matmul op, its operands' shapes and strides and its kernels (a profile recorded with
+    shapes; not a graph's replays, whose kernels have no op): calls and ms a step of the op's own
+    kernels and TFLOP/s, largest first, written to `path`."""
+    rows = {}
+    for e in prof.events():
+        if e.name not in ("aten::mm", "aten::addmm") or not e.kernels:
+            continue
+        shapes = [tuple(x) for x in e.input_shapes]
+        strides = [tuple(x) for x in getattr(e, "structured_input_strides", None) or []]
+        a, b = (shapes[1], shapes[2]) if e.name == "aten::addmm" else (shapes[0], shapes[1])
+        key = (e.name, tuple(s for s in shapes if s), tuple(s for s in strides if s),
+               " + ".join(sorted({k.name[:60] for k in e.kernels})))
+        t, n, flop = rows.get(key, (0.0, 0, 0))
+        rows[key] = (t + sum(k.duration for k in e.kernels), n + 1, flop + 2 * math.prod(a) * b[-1])
+    lines = ["matmuls by operand shapes (ms a step, calls a step, TFLOP/s, op, shapes, strides, kernels):"]
+    for (op, shapes, strides, kernels), (t, n, flop) in sorted(rows.items(), key=lambda r: -r[1][0]):
+        lines.append(f"  {t / steps / 1e3:8.2f} {n / steps:5.1f} {flop / (t * 1e-6) / 1e12:6.0f}  {op} {shapes} {strides} {kernels}")
+    lines.append(f"  {sum(t for t, _, _ in rows.values()) / steps / 1e3:8.2f} ms a step in all")
+    with open(path, "w") as f:
+        f.write("\n".join(lines) + "\n")
 
 
 def kernel_differences(before, after, path, report, shown=12):
