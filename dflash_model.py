@@ -786,59 +786,51 @@ def _head_ce_chunk(hidden, weight, labels, with_grad):
 
 # On CUDA the chunk's reductions are one Triton kernel: inductor's reads each row of logits about
 # six times, this one twice, writing the gradient once in bf16 over the logits themselves
-# (docs/benchmarks.md, twenty-first session). A few programs an SM loop over the rows, and the
-# gradient pass walks the row backwards, so that it rereads from L2 what the first pass read last.
+# (docs/benchmarks.md, twenty-first session).
 HEAD_CE_KERNEL = "triton"  # or "torch" (inductor's); scripts/benchmark.py --ce-kernel compares them
-CE_ROWS_BLOCK, CE_ROWS_WARPS, CE_ROWS_PER_SM = 2048, 8, 2
+CE_ROWS_BLOCK, CE_ROWS_WARPS = 2048, 8
 
 if triton is not None:
     @triton.jit
-    def _ce_rows_kernel(logits, labels, ce, correct, N, V, BLOCK: tl.constexpr, WITH_GRAD: tl.constexpr,
-                        REVERSE: tl.constexpr):
-        # Rows pid, pid + programs, ... Pass 1 keeps, per lane, a running max, the sum of
-        # exponentials under it (one exp an element) and the first index of that max; the lanes are
-        # combined once, at the end. Pass 2 overwrites the row with softmax - onehot(label).
-        top = (V - 1) // BLOCK * BLOCK  # the last tile's start
-        for row in range(tl.program_id(0), N, tl.num_programs(0)):
-            x_row = logits + tl.cast(row, tl.int64) * V
-            label = tl.load(labels + row)
-            lane_max = tl.full((BLOCK,), float("-inf"), tl.float32)
-            lane_sum = tl.zeros((BLOCK,), tl.float32)
-            lane_first = tl.zeros((BLOCK,), tl.int32)
+    def _ce_rows_kernel(logits, labels, ce, correct, V, BLOCK: tl.constexpr, WITH_GRAD: tl.constexpr):
+        # One program a row. Pass 1 keeps, per lane, a running max, the sum of exponentials under
+        # it (one exp an element) and the first index of that max; the lanes are combined once, at
+        # the end. Pass 2 overwrites the row with softmax - onehot(label).
+        row = tl.program_id(0).to(tl.int64)
+        x_row = logits + row * V
+        label = tl.load(labels + row)
+        lane_max = tl.full((BLOCK,), float("-inf"), tl.float32)
+        lane_sum = tl.zeros((BLOCK,), tl.float32)
+        lane_first = tl.zeros((BLOCK,), tl.int32)
+        for start in range(0, V, BLOCK):
+            cols = start + tl.arange(0, BLOCK)
+            x = tl.load(x_row + cols, mask=cols < V, other=float("-inf")).to(tl.float32)
+            above = x > lane_max  # strict: a lane keeps its first maximum
+            e = tl.where(x == float("-inf"), 0.0, tl.exp(-tl.abs(x - lane_max)))  # masked lanes add nothing (no nan)
+            lane_sum = tl.where(above, lane_sum * e + 1.0, lane_sum + e)
+            lane_first = tl.where(above, cols, lane_first)
+            lane_max = tl.maximum(lane_max, x)
+        row_max = tl.max(lane_max, 0)
+        lse = row_max + tl.log(tl.sum(lane_sum * tl.exp(lane_max - row_max), 0))  # an empty lane: 0 * exp(-inf)
+        best = tl.min(tl.where(lane_max == row_max, lane_first, V), 0)  # the first index of the row's maximum
+        tl.store(ce + row, lse - tl.load(x_row + label).to(tl.float32))
+        tl.store(correct + row, best == label)
+        if WITH_GRAD:
             for start in range(0, V, BLOCK):
                 cols = start + tl.arange(0, BLOCK)
-                x = tl.load(x_row + cols, mask=cols < V, other=float("-inf")).to(tl.float32)
-                above = x > lane_max  # strict: a lane keeps its first maximum
-                e = tl.where(x == float("-inf"), 0.0, tl.exp(-tl.abs(x - lane_max)))  # masked lanes add nothing (no nan)
-                lane_sum = tl.where(above, lane_sum * e + 1.0, lane_sum + e)
-                lane_first = tl.where(above, cols, lane_first)
-                lane_max = tl.maximum(lane_max, x)
-            row_max = tl.max(lane_max, 0)
-            lse = row_max + tl.log(tl.sum(lane_sum * tl.exp(lane_max - row_max), 0))  # an empty lane: 0 * exp(-inf)
-            best = tl.min(tl.where(lane_max == row_max, lane_first, V), 0)  # the first index of the row's maximum
-            tl.store(ce + row, lse - tl.load(x_row + label).to(tl.float32))
-            tl.store(correct + row, best == label)
-            if WITH_GRAD:
-                for step in range(0, V, BLOCK):
-                    cols = (top - step if REVERSE else step) + tl.arange(0, BLOCK)
-                    x = tl.load(x_row + cols, mask=cols < V, other=0.0).to(tl.float32)
-                    g = tl.exp(x - lse) - (cols == label).to(tl.float32)
-                    tl.store(x_row + cols, g.to(logits.dtype.element_ty), mask=cols < V)
+                x = tl.load(x_row + cols, mask=cols < V, other=0.0).to(tl.float32)
+                g = tl.exp(x - lse) - (cols == label).to(tl.float32)
+                tl.store(x_row + cols, g.to(logits.dtype.element_ty), mask=cols < V)
 
 
-def ce_rows(logits, labels, with_grad, block=None, num_warps=None, programs=None, reverse=True):
+def ce_rows(logits, labels, with_grad, block=None, num_warps=None):
     """(ce fp32, correct) of [N, V] logits by _ce_rows_kernel; with_grad overwrites logits with
-    d ce / d logits = softmax - onehot(label). programs: how many loop over the rows (default
-    CE_ROWS_PER_SM an SM; 0: one a row)."""
+    d ce / d logits = softmax - onehot(label)."""
     N, V = logits.shape
     ce = torch.empty(N, dtype=torch.float32, device=logits.device)
     correct = torch.empty(N, dtype=torch.bool, device=logits.device)
-    if programs is None:
-        programs = CE_ROWS_PER_SM * torch.cuda.get_device_properties(logits.device).multi_processor_count \
-            if logits.is_cuda else 0
-    _ce_rows_kernel[(min(N, programs) or N,)](logits, labels, ce, correct, N, V, BLOCK=block or CE_ROWS_BLOCK,
-                                              WITH_GRAD=with_grad, REVERSE=reverse,
-                                              num_warps=num_warps or CE_ROWS_WARPS)
+    _ce_rows_kernel[(N,)](logits, labels, ce, correct, V, BLOCK=block or CE_ROWS_BLOCK, WITH_GRAD=with_grad,
+                          num_warps=num_warps or CE_ROWS_WARPS)
     return ce, correct
 
 
