@@ -4,6 +4,11 @@ gets. Default shapes: those in a profile of the Qwen3-8B step (`scripts/benchmar
 writes them to F.matmuls), as M x K x N.
 
     python scripts/experiments/matmul_layouts.py [--shapes 30720x4096x12288,...] [--iters 20]
+    python scripts/experiments/matmul_layouts.py --fp32-out [--shapes ...]
+
+--fp32-out: the weight gradients' shapes instead, each written into an fp32 buffer two ways: a bf16
+matmul then its cast copy into the buffer (the step today), or one matmul with an fp32 output
+written there (torch.mm's out_dtype).
 
 Alone, the GPU runs near its top clock; in the step it is held at its power limit, so compare
 layouts of one shape here, and the step's rates in F.matmuls."""
@@ -19,6 +24,27 @@ STEP_SHAPES = ("32768x4096x12288,30720x4096x12288,32768x12288x4096,30720x12288x4
                "4096x30720x12288")
 
 
+WEIGHT_GRAD_SHAPES = "12288x32768x4096,4096x32768x12288,4096x32768x4096,1024x32768x4096,4096x12288x20480"
+
+
+def fp32_out(shapes, iters):
+    for shape in shapes.split(","):
+        M, K, N = map(int, shape.split("x"))
+        A = torch.randn(K, M, device="cuda", dtype=torch.bfloat16).t()  # dy^T: the step's layout
+        B = torch.randn(K, N, device="cuda", dtype=torch.bfloat16) * 0.02
+        into = torch.empty(M, N, device="cuda", dtype=torch.float32)
+        cases = {"bf16 matmul, cast copy": lambda: into.copy_(torch.mm(A, B)),
+                 "fp32-out matmul": lambda: torch.mm(A, B, out_dtype=torch.float32, out=into)}
+        results = {}
+        for name, fn in cases.items():
+            s = time_cuda(fn, iters, "cuda", warmup=3)
+            results[name] = into.clone()
+            print(f"{shape:18s} {name:24s}: {s * 1e3:7.3f} ms {2 * M * K * N / s / 1e12:5.0f} TFLOP/s  {kernel_of(fn)}",
+                  flush=True)
+        a, b = results.values()
+        print(f"{shape:18s} max |diff| {(a - b).abs().max().item():.3g} (values up to {b.abs().max().item():.3g})")
+
+
 def kernel_of(fn):
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         fn()
@@ -30,7 +56,10 @@ def main():
     p = argparse.ArgumentParser()
     p.add_argument("--shapes", default=STEP_SHAPES, help="MxKxN,...")
     p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--fp32-out", action="store_true")
     a = p.parse_args()
+    if a.fp32_out:
+        return fp32_out(WEIGHT_GRAD_SHAPES if a.shapes == STEP_SHAPES else a.shapes, a.iters)
     for shape in a.shapes.split(","):
         M, K, N = map(int, shape.split("x"))
         out = torch.empty(M, N, device="cuda", dtype=torch.bfloat16)
