@@ -37,7 +37,6 @@ import numpy as np
 import torch
 
 import dflash_model as dm
-from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
 # -----------------------------------------------------------------------------
 # Command line
 
@@ -1273,44 +1272,6 @@ class GradInto(torch.autograd.Function):
         return None, None, None
 
 
-
-@torch.library.custom_op("dflash::mm_into", mutates_args=("out",))
-def mm_into(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> None:
-    """out = a @ b, written by the matmul itself in out's dtype: on CUDA an fp32 gradient from
-    bf16 operands in one cuBLAS call (fp32 output), not a bf16 result and then its cast copy."""
-    if out.dtype == a.dtype:
-        torch.mm(a, b, out=out)
-    elif out.is_cuda:
-        torch.mm(a, b, out_dtype=out.dtype, out=out)
-    else:
-        out.copy_(torch.mm(a, b))
-
-
-class WeightGradsIntoBuffer(CustomGraphPass):
-    """Inductor pass on the compiled step's backward: GradInto's copy of a weight's gradient into its
-    view of the flat buffer, `view.copy_(mm(a, b))`, becomes mm_into(a, b, view), so the matmul
-    writes the gradient there itself (no bf16 result, no cast kernel: docs/benchmarks.md, twenty-
-    eighth session). A gradient that is a sum (k/v_proj, used twice) keeps the copy."""
-
-    def __call__(self, graph):
-        aten = torch.ops.aten
-        for node in list(graph.nodes):
-            if node.target is not aten.copy_.default or node.args[0].op != "placeholder":
-                continue
-            into, src = node.args
-            mm = src.args[1] if src.target is aten.copy.default and src.args[0] is into else src
-            if (mm.target is not aten.mm.default or len(mm.users) != 1 or len(src.users) != 1
-                    or mm.meta["val"].shape != into.meta["val"].shape):
-                continue
-            with graph.inserting_before(node):
-                graph.call_function(torch.ops.dflash.mm_into.default, (*mm.args, into)).meta["val"] = None
-            for n in dict.fromkeys((node, src, mm)):
-                graph.erase_node(n)
-
-    def uuid(self):
-        return get_hash_for_files((__file__,))
-
-
 if dm.triton is not None:
     triton, tl = dm.triton, dm.tl
 
@@ -1442,9 +1403,8 @@ class DrafterWorker:
         self.generator = torch.Generator(device=device)
         if args.compile:
             compile_every_worker_or_fail()
-        self.loss_fn = self.compute_loss if not args.compile else torch.compile(
-            self.compute_loss, fullgraph=True, dynamic=False,
-            options={"post_grad_custom_post_pass": WeightGradsIntoBuffer()})
+        self.loss_fn = torch.compile(self.compute_loss, fullgraph=True, dynamic=False) if args.compile \
+            else self.compute_loss
         self.graphs, self.static, self.static_out = None, None, None
         self.stats, self.losses, self.steps_done = None, [], 0
         self.clock = StageClock()  # busy time of the first steps, for the split advice

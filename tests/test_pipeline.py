@@ -436,14 +436,7 @@ def test_the_step_writes_every_gradient_into_the_flat_buffer(compile):
     loss, _ = drafter(*inputs, num_anchors=6, gamma=args.loss_decay_gamma, ce_chunk_size=args.ce_chunk_size)
     want = torch.autograd.grad(loss, params)
     worker.flat_grad.fill_(7.0)
-    if compile:
-        from torch._inductor.utils import run_and_get_code
-        (got_loss, _), code = run_and_get_code(worker.forward_backward, inputs)
-        # The matmuls write the gradients of the weights used once (q, o, gate, up, down per layer,
-        # fc) into the buffer themselves (tp.WeightGradsIntoBuffer); k/v_proj's are sums, copied
-        assert "\n".join(code).count("dflash.mm_into.default(") == 5 * 2 + 1
-    else:
-        got_loss, _ = worker.forward_backward(inputs)
+    got_loss, _ = worker.forward_backward(inputs)
     torch.testing.assert_close(got_loss, loss.detach())
     assert all(p.grad.data_ptr() == into.data_ptr() for _, p, into, _ in worker.grad_into)  # still the buffer's views
     for (name, p, _, _), w in zip(worker.grad_into, want):
