@@ -285,9 +285,10 @@ def profile_kernels(step, device, path, report, steps=3):
 
 
 def matmul_shapes(prof, steps, path):
-    """Per matmul op, its operands' shapes and strides and its kernels (a profile recorded with
-    shapes; not a graph's replays, whose kernels have no op): calls and ms a step of the op's own
-    kernels and TFLOP/s, largest first, written to `path`."""
+    """Per matmul op, its operands' shapes, their strides (where the profiler records them: not
+    torch 2.11's) and its kernels (a profile recorded with shapes; not a graph's replays, whose
+    kernels have no op): calls and ms a step of the op's own kernels and TFLOP/s, largest first,
+    written to `path`."""
     rows = {}
     for e in prof.events():
         if e.name not in ("aten::mm", "aten::addmm") or not e.kernels:
