@@ -287,8 +287,8 @@ def profile_kernels(step, device, path, report, steps=3):
 def matmul_shapes(prof, steps, path):
     """Per matmul op, its operands' shapes, their strides (where the profiler records them: not
     torch 2.11's) and its kernels (a profile recorded with shapes; not a graph's replays, whose
-    kernels have no op): calls and ms a step of the op's own kernels and TFLOP/s, largest first,
-    written to `path`."""
+    kernels have no op: nothing is written for them): calls and ms a step of the op's own kernels
+    and TFLOP/s, largest first, written to `path`."""
     rows = {}
     for e in prof.events():
         if e.name not in ("aten::mm", "aten::addmm") or not e.kernels:
@@ -300,6 +300,8 @@ def matmul_shapes(prof, steps, path):
                " + ".join(sorted({k.name[:60] for k in e.kernels})))
         t, n, flop = rows.get(key, (0.0, 0, 0))
         rows[key] = (t + sum(k.duration for k in e.kernels), n + 1, flop + 2 * math.prod(a) * b[-1])
+    if not rows:
+        return
     lines = ["matmuls by operand shapes (ms a step, calls a step, TFLOP/s, op, shapes, strides, kernels):"]
     for (op, shapes, strides, kernels), (t, n, flop) in sorted(rows.items(), key=lambda r: -r[1][0]):
         lines.append(f"  {t / steps / 1e3:8.2f} {n / steps:5.1f} {flop / (t * 1e-6) / 1e12:6.0f}  {op} {shapes} {strides} {kernels}")

@@ -3,6 +3,7 @@ import os
 import subprocess
 import sys
 import time
+import types
 
 import pytest
 import torch
@@ -491,3 +492,27 @@ def test_benchmark_drafter_flops_are_the_matmuls_the_step_runs(layers):
     c = target.config
     head = 4 * c.hidden_size * c.vocab_size * A * (bs - 1)
     assert counted + head == bm.drafter_flops_per_step(c, len(drafter.target_layer_ids), layers, 1, L, A, bs)
+
+
+def test_benchmark_matmul_table_groups_ops_by_shape_and_kernel(tmp_path):
+    # --profile's F.matmuls: each mm/addmm event's own kernels, grouped by shapes and kernel names,
+    # a step's ms and TFLOP/s from 2*M*K*N (addmm's bias not an operand); other ops ignored. A
+    # graph's replays record no ops: no table.
+    from scripts import benchmark as bm
+    K = lambda name, us: types.SimpleNamespace(name=name, duration=us)  # noqa: E731
+    ev = lambda name, shapes, kernels: types.SimpleNamespace(name=name, input_shapes=shapes, kernels=kernels)  # noqa: E731
+    mm_us = 2 * 4096 * 4096 * 12288 / 700e12 * 1e6  # one call at 700 TFLOP/s
+    events = [ev("aten::mm", [[4096, 4096], [4096, 12288]], [K("nvjet_a", mm_us)])] * 4 + [
+        ev("aten::addmm", [[4096], [1024, 12288], [12288, 4096], []], [K("nvjet_b", 1000.0)]),
+        ev("aten::mm", [[4096, 4096], [4096, 12288]], []),  # no kernel of its own
+        ev("aten::add", [[3], [3]], [K("add", 5.0)])]
+    path = tmp_path / "p.matmuls"
+    bm.matmul_shapes(types.SimpleNamespace(events=lambda: events), 2, str(path))
+    lines = path.read_text().splitlines()
+    assert len(lines) == 4, lines
+    ms, calls, tflops = lines[1].split()[:3]
+    assert (float(calls), int(tflops), "nvjet_a" in lines[1]) == (2.0, 700, True)
+    assert abs(float(ms) - 2 * mm_us / 1e3) < 0.01
+    assert lines[2].split()[:3] == ["0.50", "0.5", f"{2 * 1024 * 12288 * 4096 / 1e-3 / 1e12:.0f}"]
+    bm.matmul_shapes(types.SimpleNamespace(events=lambda: []), 2, str(tmp_path / "graph.matmuls"))
+    assert not (tmp_path / "graph.matmuls").exists()
