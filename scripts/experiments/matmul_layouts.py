@@ -22,8 +22,6 @@ STEP_SHAPES = ("32768x4096x12288,30720x4096x12288,32768x12288x4096,30720x12288x4
                "30720x4096x4096,4096x4096x151936,2048x4096x151936,4096x151936x4096,32768x4096x1024,"
                "32768x1024x4096,12288x32768x4096,4096x32768x12288,4096x32768x4096,12288x30720x4096,"
                "4096x30720x12288")
-
-
 WEIGHT_GRAD_SHAPES = "12288x32768x4096,4096x32768x12288,4096x32768x4096,1024x32768x4096,4096x12288x20480"
 
 
@@ -54,13 +52,14 @@ def kernel_of(fn):
 
 def main():
     p = argparse.ArgumentParser()
-    p.add_argument("--shapes", default=STEP_SHAPES, help="MxKxN,...")
+    p.add_argument("--shapes", default=None, help="MxKxN,...; default: the step's matmuls, or with --fp32-out its "
+                   "weight gradients'")
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--fp32-out", action="store_true")
     a = p.parse_args()
     if a.fp32_out:
-        return fp32_out(WEIGHT_GRAD_SHAPES if a.shapes == STEP_SHAPES else a.shapes, a.iters)
-    for shape in a.shapes.split(","):
+        return fp32_out(a.shapes or WEIGHT_GRAD_SHAPES, a.iters)
+    for shape in (a.shapes or STEP_SHAPES).split(","):
         M, K, N = map(int, shape.split("x"))
         out = torch.empty(M, N, device="cuda", dtype=torch.bfloat16)
         for a_stored in ("MxK", "KxM"):
