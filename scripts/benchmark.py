@@ -285,26 +285,23 @@ def profile_kernels(step, device, path, report, steps=3):
 
 
 def matmul_shapes(prof, steps, path):
-    """Per matmul op, its operands' shapes, their strides (where the profiler records them: not
-    torch 2.11's) and its kernels (a profile recorded with shapes; not a graph's replays, whose
-    kernels have no op: nothing is written for them): calls and ms a step of the op's own kernels
-    and TFLOP/s, largest first, written to `path`."""
+    """Per matmul op, its operands' shapes and its kernels (a profile recorded with shapes; not a
+    graph's replays, whose kernels have no op: nothing is written for them): calls and ms a step
+    of the op's own kernels and TFLOP/s, largest first, written to `path`."""
     rows = {}
     for e in prof.events():
         if e.name not in ("aten::mm", "aten::addmm") or not e.kernels:
             continue
         shapes = [tuple(x) for x in e.input_shapes]
-        strides = [tuple(x) for x in getattr(e, "structured_input_strides", None) or []]
         a, b = (shapes[1], shapes[2]) if e.name == "aten::addmm" else (shapes[0], shapes[1])
-        key = (e.name, tuple(s for s in shapes if s), tuple(s for s in strides if s),
-               " + ".join(sorted({k.name[:60] for k in e.kernels})))
+        key = (e.name, tuple(s for s in shapes if s), " + ".join(sorted({k.name[:60] for k in e.kernels})))
         t, n, flop = rows.get(key, (0.0, 0, 0))
         rows[key] = (t + sum(k.duration for k in e.kernels), n + 1, flop + 2 * math.prod(a) * b[-1])
     if not rows:
         return
-    lines = ["matmuls by operand shapes (ms a step, calls a step, TFLOP/s, op, shapes, strides, kernels):"]
-    for (op, shapes, strides, kernels), (t, n, flop) in sorted(rows.items(), key=lambda r: -r[1][0]):
-        lines.append(f"  {t / steps / 1e3:8.2f} {n / steps:5.1f} {flop / (t * 1e-6) / 1e12:6.0f}  {op} {shapes} {strides} {kernels}")
+    lines = ["matmuls by operand shapes (ms a step, calls a step, TFLOP/s, op, shapes, kernels):"]
+    for (op, shapes, kernels), (t, n, flop) in sorted(rows.items(), key=lambda r: -r[1][0]):
+        lines.append(f"  {t / steps / 1e3:8.2f} {n / steps:5.1f} {flop / (t * 1e-6) / 1e12:6.0f}  {op} {shapes} {kernels}")
     lines.append(f"  {sum(t for t, _, _ in rows.values()) / steps / 1e3:8.2f} ms a step in all")
     with open(path, "w") as f:
         f.write("\n".join(lines) + "\n")
