@@ -37,6 +37,8 @@ import numpy as np
 import torch
 
 import dflash_model as dm
+from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
+
 # -----------------------------------------------------------------------------
 # Command line
 
@@ -1256,8 +1258,8 @@ def compile_every_worker_or_fail():
 class GradInto(torch.autograd.Function):
     """A parameter, as itself or as its bf16 copy; in the backward its gradient is copied into
     `into`, its view of the flat gradient buffer, instead of accumulated into .grad. So the buffer
-    needs no zeroing and no add per parameter, and compiled, the gradient's cast to fp32 and its
-    store are one kernel.
+    needs no zeroing and no add per parameter; compiled, WeightGradsIntoBuffer has the matmul
+    that makes a weight's gradient write it there itself.
     Every parameter gets a gradient every step (a test checks it), so no view keeps a stale one."""
 
     @staticmethod
@@ -1272,6 +1274,38 @@ class GradInto(torch.autograd.Function):
         return None, None, None
 
 
+@torch.library.custom_op("dflash::mm_into", mutates_args=("out",))
+def mm_into(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> None:
+    """out = a @ b, written by the matmul itself (out: a contiguous view of a's dtype)."""
+    torch.mm(a, b, out=out)
+
+
+class WeightGradsIntoBuffer(CustomGraphPass):
+    """Inductor pass on the compiled step's backward: GradInto's copy of a weight's gradient into its
+    view of the flat buffer, `view.copy_(mm(a, b))`, becomes mm_into(a, b, view) where the two
+    have one dtype and shape, so the matmul writes the gradient there and no copy kernel runs. A
+    gradient that is a sum (k/v_proj, used twice) keeps its copy."""
+
+    def __call__(self, graph):
+        aten = torch.ops.aten
+        for node in list(graph.nodes):
+            if node.target is not aten.copy_.default or node.args[0].op != "placeholder":
+                continue
+            into, src = node.args
+            mm = src.args[1] if src.target is aten.copy.default and src.args[0] is into else src
+            if (mm.target is not aten.mm.default or len(mm.users) != 1 or len(src.users) != 1
+                    or mm.meta["val"].shape != into.meta["val"].shape
+                    or mm.meta["val"].dtype != into.meta["val"].dtype):
+                continue
+            with graph.inserting_before(node):
+                graph.call_function(torch.ops.dflash.mm_into.default, (*mm.args, into)).meta["val"] = None
+            for n in dict.fromkeys((node, src, mm)):
+                graph.erase_node(n)
+
+    def uuid(self):
+        return get_hash_for_files((__file__,))
+
+
 if dm.triton is not None:
     triton, tl = dm.triton, dm.tl
 
@@ -1283,7 +1317,7 @@ if dm.triton is not None:
         i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
         ok = i < n
         step_size, bc2_sqrt, decay = tl.load(coef), tl.load(coef + 1), tl.load(coef + 2)
-        g = tl.load(grad + i, mask=ok) * tl.load(clip)
+        g = tl.load(grad + i, mask=ok).to(tl.float32) * tl.load(clip)
         p = tl.load(param + i, mask=ok) * decay
         m = tl.load(exp_avg + i, mask=ok)
         m = m + (1 - beta1) * (g - m)
@@ -1311,10 +1345,11 @@ class FlatAdamW(torch.optim.AdamW):
     fp32 buffers, updated by one Triton kernel that also writes the bf16 copy of the weights the
     step's matmuls read (`bf16_weights`, what autocast would cast them to). One launch, against
     the fused AdamW's 51 over 58 tensors, and no cast of each weight in every forward. The update
-    takes the clip as a factor on the gradient. Whoever writes the parameters other than by
-    step() calls weights_changed(). A weight used twice in a step (k/v_proj: context and block)
-    gets its two gradients summed in bf16 before the copy into fp32, one bf16 rounding more than
-    autocast's per-use casts (compiled, inductor folds the sum into the second matmul)."""
+    takes the clip as a factor on the gradient, which it reads in its buffer's dtype (bf16 in the
+    worker) and updates in fp32. Whoever writes the parameters other than by step() calls
+    weights_changed(). A weight used twice in a step (k/v_proj: context and block) gets its two
+    gradients summed in bf16, one bf16 rounding more than autocast's per-use casts (compiled,
+    inductor folds the sum into the second matmul)."""
 
     BLOCK, WARPS = 1024, 4  # the fastest of 5 settings (scripts/experiments/flat_adamw.py)
 
@@ -1382,29 +1417,35 @@ class DrafterWorker:
         self.queue = queue.Queue(maxsize=args.queue_depth)
         self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         params = list(drafter.parameters())
-        # All gradients are views of one flat buffer: averaging and clipping are one op each.
-        self.flat_grad = torch.zeros(sum(p.numel() for p in params), device=device, dtype=torch.float32)
         cuda = device.type == "cuda"
-        # A tensor learning rate, so a captured optimizer step reads the scheduled value.
-        self.lr = torch.tensor(args.lr, device=device) if cuda else args.lr
         # On CUDA one kernel over flat buffers, in the graph (capturable); it keeps the bf16 weights
         # the matmuls read. Without triton, torch's fused capturable AdamW; on the CPU its foreach one.
-        self.optimizer = FlatAdamW(params, self.flat_grad, self.lr, args.weight_decay) if cuda and dm.triton \
+        flat_adamw = cuda and dm.triton is not None
+        # All gradients are views of one flat buffer: averaging and clipping are one op each. For
+        # FlatAdamW it is bf16, the dtype the matmuls write the weights' gradients in (the norm
+        # weights' fp32 ones are rounded to it); torch's AdamW wants its parameters' fp32.
+        self.flat_grad = torch.zeros(sum(p.numel() for p in params), device=device,
+                                     dtype=torch.bfloat16 if flat_adamw else torch.float32)
+        # A tensor learning rate, so a captured optimizer step reads the scheduled value.
+        self.lr = torch.tensor(args.lr, device=device) if cuda else args.lr
+        self.optimizer = FlatAdamW(params, self.flat_grad, self.lr, args.weight_decay) if flat_adamw \
             else torch.optim.AdamW(params, lr=self.lr, weight_decay=args.weight_decay,
                                    **(dict(fused=True, capturable=True) if cuda else dict(foreach=True)))
         copies = self.optimizer.bf16_weights if isinstance(self.optimizer, FlatAdamW) else [None] * len(params)
         matmul_weights = {f"{m}.weight" for m, mod in drafter.named_modules() if isinstance(mod, torch.nn.Linear)}
         self.grad_into = []  # (name, parameter, its gradient's view, its bf16 copy or None), for compute_loss
         for (name, p), into, bf16 in zip(drafter.named_parameters(), flat_views(self.flat_grad, params), copies):
-            p.grad = into
+            if not flat_adamw:  # torch's AdamW reads .grad (FlatAdamW its flat buffer, in another dtype)
+                p.grad = into
             self.grad_into.append((name, p, into, bf16 if name in matmul_weights else None))
         if self.stream is not None:  # the buffers above were filled on this thread's stream
             self.stream.wait_stream(torch.cuda.current_stream(device))
         self.generator = torch.Generator(device=device)
         if args.compile:
             compile_every_worker_or_fail()
-        self.loss_fn = torch.compile(self.compute_loss, fullgraph=True, dynamic=False) if args.compile \
-            else self.compute_loss
+        self.loss_fn = self.compute_loss if not args.compile else torch.compile(
+            self.compute_loss, fullgraph=True, dynamic=False,
+            options={"post_grad_custom_post_pass": WeightGradsIntoBuffer()})
         self.graphs, self.static, self.static_out = None, None, None
         self.stats, self.losses, self.steps_done = None, [], 0
         self.clock = StageClock()  # busy time of the first steps, for the split advice
@@ -1442,7 +1483,7 @@ class DrafterWorker:
         return loss.detach(), stats
 
     def clip_and_update(self):
-        grad_norm = self.flat_grad.norm()
+        grad_norm = torch.linalg.vector_norm(self.flat_grad, dtype=torch.float32)  # summed in fp32, read once
         clip = torch.clamp(self.args.grad_clip / (grad_norm + 1e-6), max=1.0)
         if isinstance(self.optimizer, FlatAdamW):  # the kernel scales the gradient as it reads it
             self.optimizer.step(clip)

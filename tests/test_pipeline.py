@@ -436,7 +436,14 @@ def test_the_step_writes_every_gradient_into_the_flat_buffer(compile):
     loss, _ = drafter(*inputs, num_anchors=6, gamma=args.loss_decay_gamma, ce_chunk_size=args.ce_chunk_size)
     want = torch.autograd.grad(loss, params)
     worker.flat_grad.fill_(7.0)
-    got_loss, _ = worker.forward_backward(inputs)
+    if compile:
+        from torch._inductor.utils import run_and_get_code
+        (got_loss, _), code = run_and_get_code(worker.forward_backward, inputs)
+        # The matmuls write the gradients of the weights used once (q, o, gate, up, down in each of
+        # 2 layers, and fc) into the buffer themselves (tp.WeightGradsIntoBuffer); k/v_proj's, sums, are copied
+        assert "\n".join(code).count("dflash.mm_into.default(") == 5 * 2 + 1
+    else:
+        got_loss, _ = worker.forward_backward(inputs)
     torch.testing.assert_close(got_loss, loss.detach())
     assert all(p.grad.data_ptr() == into.data_ptr() for _, p, into, _ in worker.grad_into)  # still the buffer's views
     for (name, p, _, _), w in zip(worker.grad_into, want):
@@ -830,6 +837,19 @@ torchs_opt.step(); ref_opt.step(); loaded_opt.step(torch.tensor(1.0))
 for p, q, r in zip(torchs, ref, loaded):
     torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-7)
     torch.testing.assert_close(r, q, rtol=1e-6, atol=1e-7)
+# The CUDA worker's buffer is bf16 (what the matmuls write): the kernel updates from its fp32 values.
+halves = [p.clone().requires_grad_() for p in init]
+halves_opt = tp.FlatAdamW(halves, torch.zeros(n, dtype=torch.bfloat16), torch.tensor(lr), wd)
+upcast = [p.clone().requires_grad_() for p in init]
+upcast_opt = torch.optim.AdamW(upcast, lr=lr, weight_decay=wd, foreach=False)
+for step in range(3):
+    g = torch.randn(n).to(torch.bfloat16)
+    halves_opt.flat_grad.copy_(g)
+    for p, gp in zip(upcast, tp.flat_views(g.float(), upcast)):
+        p.grad = gp
+    upcast_opt.step(); halves_opt.step(torch.tensor(1.0))
+for p, q in zip(upcast, halves):
+    torch.testing.assert_close(q, p, rtol=1e-6, atol=1e-7)
 print("ok")
 """
 
