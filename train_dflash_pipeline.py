@@ -1126,7 +1126,8 @@ class GradAverager:
     """Every worker hands in its flat gradient buffer; the last to arrive averages them all into
     every buffer, across the machines too. An aborted barrier (a failed worker) raises in all the
     others. Over several machines the same reduction also agrees on stopping: a stop asked for on
-    any machine (a signal) ends every machine's run after the same step."""
+    any machine (a signal) ends every machine's run after the same step. The buffers' dtype is
+    the workers' (bf16 with FlatAdamW), so is the sum's."""
 
     def __init__(self, num_workers, cluster=None, stop_requested=lambda: False):
         self.num_workers, self.cluster = num_workers, cluster or Cluster()
