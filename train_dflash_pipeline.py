@@ -1432,7 +1432,7 @@ class DrafterWorker:
         self.optimizer = FlatAdamW(params, self.flat_grad, self.lr, args.weight_decay) if flat_adamw \
             else torch.optim.AdamW(params, lr=self.lr, weight_decay=args.weight_decay,
                                    **(dict(fused=True, capturable=True) if cuda else dict(foreach=True)))
-        copies = self.optimizer.bf16_weights if isinstance(self.optimizer, FlatAdamW) else [None] * len(params)
+        copies = self.optimizer.bf16_weights if flat_adamw else [None] * len(params)
         matmul_weights = {f"{m}.weight" for m, mod in drafter.named_modules() if isinstance(mod, torch.nn.Linear)}
         self.grad_into = []  # (name, parameter, its gradient's view, its bf16 copy or None), for compute_loss
         for (name, p), into, bf16 in zip(drafter.named_parameters(), flat_views(self.flat_grad, params), copies):

@@ -35,12 +35,27 @@ def fp32_out(shapes, iters):
                  "fp32-out matmul": lambda: torch.mm(A, B, out_dtype=torch.float32, out=into)}
         results = {}
         for name, fn in cases.items():
-            s = time_cuda(fn, iters, "cuda", warmup=3)
+            timed(f"{shape:18s} {name:24s}", fn, 2 * M * K * N, iters)
             results[name] = into.clone()
-            print(f"{shape:18s} {name:24s}: {s * 1e3:7.3f} ms {2 * M * K * N / s / 1e12:5.0f} TFLOP/s  {kernel_of(fn)}",
-                  flush=True)
         a, b = results.values()
         print(f"{shape:18s} max |diff| {(a - b).abs().max().item():.3g} (values up to {b.abs().max().item():.3g})")
+
+
+def layouts(shape, iters):
+    M, K, N = map(int, shape.split("x"))
+    out = torch.empty(M, N, device="cuda", dtype=torch.bfloat16)
+    A = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
+    B = torch.randn(K, N, device="cuda", dtype=torch.bfloat16) * 0.02
+    b_layouts = (("KxN", B), ("NxK", B.t().contiguous().t()))  # the same values, stored either way
+    for a_stored, A_in in (("MxK", A), ("KxM", A.t().contiguous().t())):
+        for b_stored, B_in in b_layouts:
+            timed(f"{shape:18s} A {a_stored} B {b_stored}", lambda: torch.mm(A_in, B_in, out=out), 2 * M * K * N, iters)
+
+
+def timed(label, fn, flop, iters):
+    """Prints fn's time, TFLOP/s and the kernels it launches."""
+    s = time_cuda(fn, iters, "cuda", warmup=3)
+    print(f"{label}: {s * 1e3:7.3f} ms {flop / s / 1e12:5.0f} TFLOP/s  {kernel_of(fn)}", flush=True)
 
 
 def kernel_of(fn):
@@ -60,19 +75,7 @@ def main():
     if a.fp32_out:
         return fp32_out(a.shapes or WEIGHT_GRAD_SHAPES, a.iters)
     for shape in (a.shapes or STEP_SHAPES).split(","):
-        M, K, N = map(int, shape.split("x"))
-        out = torch.empty(M, N, device="cuda", dtype=torch.bfloat16)
-        for a_stored in ("MxK", "KxM"):
-            for b_stored in ("KxN", "NxK"):
-                A = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
-                B = torch.randn(K, N, device="cuda", dtype=torch.bfloat16) * 0.02
-                A = A if a_stored == "MxK" else A.t().contiguous().t()
-                B = B if b_stored == "KxN" else B.t().contiguous().t()
-                fn = lambda: torch.mm(A, B, out=out)  # noqa: E731
-                s = time_cuda(fn, a.iters, "cuda", warmup=3)
-                print(f"{shape:18s} A {a_stored} B {b_stored}: {s * 1e3:7.3f} ms {2 * M * K * N / s / 1e12:5.0f} TFLOP/s  "
-                      f"{kernel_of(fn)}", flush=True)
-                del A, B
+        layouts(shape, a.iters)
 
 
 if __name__ == "__main__":
