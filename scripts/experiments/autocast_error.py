@@ -51,6 +51,7 @@ def step(drafter, batch, noise, num_anchors, autocast, device):
         with torch.no_grad():
             anchors, _ = drafter.select_anchors(noise, loss_mask, doc, num_anchors)
             hidden = drafter.block_hidden(feats, ids, doc, pos, anchors)
+    hidden = hidden.to(torch.bfloat16) if autocast else hidden  # as the LM head's matmul reads them
     loss.backward()
     return loss.double(), hidden.double(), torch.cat([p.grad.double().flatten() for p in drafter.parameters()])
 
