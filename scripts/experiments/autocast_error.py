@@ -2,7 +2,9 @@
 target's features: the rounding that a precision change (such as the residual stream's dtype)
 adds to what bf16 autocast already costs, and how far the served drafter (bf16 weights, no
 autocast: what eval_acceptance and a server run) is from the training step's forward (train =
-serve). Run it in two trees to compare their rules.
+serve). The same step on that bf16 copy is the precision the public DFlash trainer (SpecForge)
+trains in: a bf16 model, fp32 master weights in its optimizer. Run it in two trees to compare
+their rules.
 
     python scripts/experiments/autocast_error.py [--device cpu] [--drafter DIR] [--seeds 4]
 
@@ -22,7 +24,8 @@ def step(drafter, batch, noise, num_anchors, autocast):
     """(loss, the final norm's hidden states as the LM head's matmul reads them, the flat
     gradient), in float64 for comparing."""
     drafter.zero_grad(set_to_none=True)
-    feats = batch["features"].to(torch.bfloat16) if autocast else batch["features"]  # the target stage hands bf16 ones
+    bf16 = autocast or next(drafter.parameters()).dtype == torch.bfloat16
+    feats = batch["features"].to(torch.bfloat16) if bf16 else batch["features"]  # the target stage hands bf16 ones
     hidden = []
     hook = drafter.norm.register_forward_hook(lambda module, args, out: hidden.append(out.detach()))
     try:
@@ -35,9 +38,13 @@ def step(drafter, batch, noise, num_anchors, autocast):
     return loss.double(), hidden.double().flatten(), torch.cat([p.grad.double().flatten() for p in drafter.parameters()])
 
 
-def served_hidden(drafter, target, batch, noise, num_anchors):
-    """The final hidden states as a server computes them: bf16 weights, no autocast."""
-    served = copy.deepcopy(drafter).to(torch.bfloat16).attach_target(target, torch.bfloat16)
+def bf16_copy(drafter, target):
+    """The drafter as a server runs it, and as SpecForge trains it: bf16 weights, no autocast."""
+    return copy.deepcopy(drafter).to(torch.bfloat16).attach_target(target, torch.bfloat16)
+
+
+def served_hidden(served, batch, noise, num_anchors):
+    """The final hidden states as a server computes them."""
     with torch.no_grad():
         anchors, _ = served.select_anchors(noise, batch["loss_mask"], batch["doc_ids"], num_anchors)
         return served.block_hidden(batch["features"].to(torch.bfloat16), batch["input_ids"], batch["doc_ids"],
@@ -45,9 +52,11 @@ def served_hidden(drafter, target, batch, noise, num_anchors):
 
 
 def line(errors):
-    loss, hidden, grad, served = errors
+    loss, hidden, grad, served, *bf16 = errors
     return (f"autocast's relative error: loss {loss:.2e}, final hidden states {hidden:.3e}, gradient {grad:.3e}; "
-            f"the served drafter's final hidden states against autocast's {served:.3e}")
+            f"the served drafter's final hidden states against autocast's {served:.3e}; "
+            f"bf16 weights' (SpecForge's) relative error: loss {bf16[0]:.2e}, final hidden states {bf16[1]:.3e}, "
+            f"gradient {bf16[2]:.3e}")
 
 
 def main():
@@ -73,16 +82,19 @@ def main():
     batch["features"] = replica.features(batch)
     batch = {k: v.to(device) for k, v in batch.items()}
     R, L = batch["input_ids"].shape
-    errors = []  # per seed: autocast's (loss, final hidden states, gradient) errors, the served drafter's
+    errors = []  # per seed: autocast's (loss, final hidden states, gradient) errors, the served drafter's, bf16 weights'
+    relative = lambda got, want: ((got - want).norm() / want.norm()).item()
     for seed in range(args.seeds):
         torch.manual_seed(seed)
         drafter = (saved if saved is not None else dm.DFlashDraftModel(config)).to(device).train().attach_target(target)
         noise = torch.rand(R, L, generator=torch.Generator().manual_seed(seed)).to(device)
         exact = step(drafter, batch, noise, args.num_anchors, False)
         bf16 = step(drafter, batch, noise, args.num_anchors, True)
-        served = served_hidden(drafter, target, batch, noise, args.num_anchors)
-        errors.append([((b - a).norm() / a.norm()).item() for a, b in zip(exact, bf16)]
-                      + [((served - bf16[1]).norm() / bf16[1].norm()).item()])
+        served = bf16_copy(drafter, target)
+        bf16_weights = step(served, batch, noise, args.num_anchors, False)
+        errors.append([relative(b, a) for a, b in zip(exact, bf16)]
+                      + [relative(served_hidden(served, batch, noise, args.num_anchors), bf16[1])]
+                      + [relative(b, a) for a, b in zip(exact, bf16_weights)])
         print(f"seed {seed}: loss {exact[0].item():.5f} (fp32) {bf16[0].item():.5f} (autocast); " + line(errors[-1]),
               flush=True)
     print(f"mean over {args.seeds} seeds: " + line(torch.tensor(errors).mean(0).tolist()))
