@@ -51,6 +51,10 @@ def served_hidden(served, batch, noise, num_anchors):
                                    batch["position_ids"], anchors).double().flatten()
 
 
+def relative(got, want):
+    return ((got - want).norm() / want.norm()).item()
+
+
 def line(errors):
     loss, hidden, grad, served, *bf16 = errors
     return (f"autocast's relative error: loss {loss:.2e}, final hidden states {hidden:.3e}, gradient {grad:.3e}; "
@@ -83,7 +87,6 @@ def main():
     batch = {k: v.to(device) for k, v in batch.items()}
     R, L = batch["input_ids"].shape
     errors = []  # per seed: autocast's (loss, final hidden states, gradient) errors, the served drafter's, bf16 weights'
-    relative = lambda got, want: ((got - want).norm() / want.norm()).item()
     for seed in range(args.seeds):
         torch.manual_seed(seed)
         drafter = (saved if saved is not None else dm.DFlashDraftModel(config)).to(device).train().attach_target(target)
