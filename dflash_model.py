@@ -965,9 +965,12 @@ class DFlashDraftModel(nn.Module):
         B, A = anchor_ids.shape
         bs, last = self.block_size, len(self.layers) - 1
         mask = torch.full((1,), self.mask_token_id, dtype=anchor_ids.dtype, device=anchor_ids.device)
-        # the residual stream in the master weights' dtype (norm weights are never the bf16 copies a
-        # training step may pass for the matmul weights)
-        x = self.embed_tokens(torch.cat([anchor_ids.reshape(-1), mask])).to(self.norm.weight.dtype)  # distinct rows
+        # the residual stream in the dtype the matmuls compute in: autocast's where it is on (bf16, as a
+        # server runs the drafter: docs/quality.md), else the master weights' (a norm's: never the
+        # bf16 copies a training step may pass for the matmul weights)
+        dev = anchor_ids.device.type
+        dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else self.norm.weight.dtype
+        x = self.embed_tokens(torch.cat([anchor_ids.reshape(-1), mask])).to(dtype)  # distinct rows
         slot0 = (torch.arange(bs, device=anchor_ids.device) == 0).view(1, 1, bs, 1)
 
         def spread(t):  # [B * A + 1, n] (anchor rows, then the mask row) -> [B, A * bs, n]

@@ -205,11 +205,11 @@ def test_block_hidden_equals_every_slot_through_every_layer(layers):
                                torch.autograd.grad((want * weights).sum(), params), rtol=1e-10, atol=1e-12)
 
 
-def test_bf16_matmul_weights_keep_the_residual_stream_in_the_master_dtype():
+def test_bf16_matmul_weights_give_the_fp32_drafters_step_under_autocast():
     """The CUDA training step passes bf16 copies of the matmul weights (train_dflash_pipeline's
     FlatAdamW keeps them) and autocast does the rest: loss and gradients must be the fp32
-    drafter's under autocast, bit for bit, so the residual stream stays fp32 (it went bf16 when
-    its dtype was read off a matmul weight)."""
+    drafter's under autocast, bit for bit (the residual stream's dtype is autocast's in both, not
+    read off a weight)."""
     torch.set_default_dtype(torch.float32)
     target = tiny_target(dtype=torch.float32)
     drafter = make_drafter(target).float()
@@ -226,6 +226,26 @@ def test_bf16_matmul_weights_keep_the_residual_stream_in_the_master_dtype():
     grads = torch.autograd.grad(got, [copies[k] for k in params])
     for (k, p), g, w in zip(params.items(), grads, torch.autograd.grad(want, list(params.values()))):
         assert torch.equal(g.float(), w), k
+
+
+def test_the_residual_stream_takes_autocasts_dtype():
+    """Train = serve: under autocast (the GPU step) the residual stream, into and out of every
+    layer, is bf16, as a server runs the drafter; without autocast (CPU training) it is fp32."""
+    torch.set_default_dtype(torch.float32)
+    target = tiny_target(dtype=torch.float32)
+    drafter = make_drafter(target).float()
+    ids, doc, pos, feats = packed_row(target, drafter, [11, 17, 9], pad=3)
+    inputs = (feats, ids, torch.ones_like(ids, dtype=torch.float32), doc, pos,
+              torch.rand(ids.shape, generator=torch.Generator().manual_seed(3)))
+    seen = []
+    for layer in drafter.layers:
+        layer.register_forward_hook(lambda m, args, out: seen.append((args[0].dtype, out.dtype)))
+    drafter(*inputs, num_anchors=7)
+    assert seen and set(seen) == {(torch.float32, torch.float32)}
+    seen.clear()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        drafter(*inputs, num_anchors=7)
+    assert len(seen) == len(drafter.layers) and set(seen) == {(torch.bfloat16, torch.bfloat16)}
 
 
 def test_context_leak_would_be_caught():
