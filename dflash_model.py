@@ -732,6 +732,11 @@ def _block_attention_grads(ctx, grad_out, grad_lse):
 _block_attention.register_autograd(_block_attention_grads, setup_context=_block_attention_setup)
 
 
+def compute_dtype(device, default):
+    """The dtype autocast computes in on device where it is on, else default."""
+    return torch.get_autocast_dtype(device.type) if torch.is_autocast_enabled(device.type) else default
+
+
 def block_attend(anchors, doc_ids, block_size):
     """The rule by the Triton kernels above (CUDA with triton). q/k/v as DraftAttention hands
     them over: doc_ids.shape[1] context keys, then the blocks'. The backward needs anchors sorted
@@ -745,8 +750,7 @@ def block_attend(anchors, doc_ids, block_size):
     def attend(q, k, v):
         # One dtype for the kernels' dots: under autocast the one SDPA would take (q and k come
         # out of the fp32-weighted q/k-norm in fp32, v from its projection in bf16)
-        device = q.device.type
-        dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else q.dtype
+        dtype = compute_dtype(q.device, q.dtype)
         return _block_attention(q.to(dtype), k.to(dtype), v.to(dtype), starts, anchors, tile_blocks, block_size,
                                 key_tile)[0]
     return attend
@@ -968,8 +972,7 @@ class DFlashDraftModel(nn.Module):
         # the residual stream in the dtype the matmuls compute in: autocast's where it is on (bf16, as a
         # server runs the drafter: docs/quality.md), else the master weights' (a norm's: never the
         # bf16 copies a training step may pass for the matmul weights)
-        dev = anchor_ids.device.type
-        dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else self.norm.weight.dtype
+        dtype = compute_dtype(anchor_ids.device, self.norm.weight.dtype)
         x = self.embed_tokens(torch.cat([anchor_ids.reshape(-1), mask])).to(dtype)  # distinct rows
         slot0 = (torch.arange(bs, device=anchor_ids.device) == 0).view(1, 1, bs, 1)
 
