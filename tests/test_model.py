@@ -205,17 +205,22 @@ def test_block_hidden_equals_every_slot_through_every_layer(layers):
                                torch.autograd.grad((want * weights).sum(), params), rtol=1e-10, atol=1e-12)
 
 
+def fp32_drafter_and_row():
+    """An fp32 drafter and the forward's inputs for one packed row of three documents."""
+    torch.set_default_dtype(torch.float32)
+    target = tiny_target(dtype=torch.float32)
+    drafter = make_drafter(target).float()
+    ids, doc, pos, feats = packed_row(target, drafter, [11, 17, 9], pad=3)
+    return drafter, (feats, ids, torch.ones_like(ids, dtype=torch.float32), doc, pos,
+                     torch.rand(ids.shape, generator=torch.Generator().manual_seed(3)))
+
+
 def test_bf16_matmul_weights_give_the_fp32_drafters_step_under_autocast():
     """The CUDA training step passes bf16 copies of the matmul weights (train_dflash_pipeline's
     FlatAdamW keeps them) and autocast does the rest: loss and gradients must be the fp32
     drafter's under autocast, bit for bit (the residual stream's dtype is autocast's in both, not
     read off a weight)."""
-    torch.set_default_dtype(torch.float32)
-    target = tiny_target(dtype=torch.float32)
-    drafter = make_drafter(target).float()
-    ids, doc, pos, feats = packed_row(target, drafter, [11, 17, 9], pad=3)
-    inputs = (feats, ids, torch.ones_like(ids, dtype=torch.float32), doc, pos,
-              torch.rand(ids.shape, generator=torch.Generator().manual_seed(3)))
+    drafter, inputs = fp32_drafter_and_row()
     params = dict(drafter.named_parameters())
     linear = {f"{name}.weight" for name, m in drafter.named_modules() if isinstance(m, torch.nn.Linear)}
     copies = {k: (p.to(torch.bfloat16) if k in linear else p) for k, p in params.items()}
@@ -231,12 +236,7 @@ def test_bf16_matmul_weights_give_the_fp32_drafters_step_under_autocast():
 def test_the_residual_stream_takes_autocasts_dtype():
     """Train = serve: under autocast (the GPU step) the residual stream, into and out of every
     layer, is bf16, as a server runs the drafter; without autocast (CPU training) it is fp32."""
-    torch.set_default_dtype(torch.float32)
-    target = tiny_target(dtype=torch.float32)
-    drafter = make_drafter(target).float()
-    ids, doc, pos, feats = packed_row(target, drafter, [11, 17, 9], pad=3)
-    inputs = (feats, ids, torch.ones_like(ids, dtype=torch.float32), doc, pos,
-              torch.rand(ids.shape, generator=torch.Generator().manual_seed(3)))
+    drafter, inputs = fp32_drafter_and_row()
     seen = []
     for layer in drafter.layers:
         layer.register_forward_hook(lambda m, args, out: seen.append((args[0].dtype, out.dtype)))
