@@ -48,11 +48,11 @@ def relative(got, want):
 
 
 def line(errors):
-    loss, hidden, grad, served, *bf16 = errors
+    loss, hidden, grad, served, bf16_loss, bf16_hidden, bf16_grad = errors
     return (f"autocast's relative error: loss {loss:.2e}, final hidden states {hidden:.3e}, gradient {grad:.3e}; "
             f"the served drafter's final hidden states against autocast's {served:.3e}; "
-            f"bf16 weights' (SpecForge's) relative error: loss {bf16[0]:.2e}, final hidden states {bf16[1]:.3e}, "
-            f"gradient {bf16[2]:.3e}")
+            f"bf16 weights' (SpecForge's) relative error: loss {bf16_loss:.2e}, final hidden states {bf16_hidden:.3e}, "
+            f"gradient {bf16_grad:.3e}")
 
 
 def main():
