@@ -8,10 +8,12 @@ tokenises; the target loads (and runs one batch) on every target device; the dra
 every drafter device; compilation and graph capture succeed on every worker (--compile); a few
 steps run with finite, falling loss; memory after warm-up does not grow; a checkpoint saves and
 loads back; tokens/s. Time-boxed (--time-limit): past it the process exits, threads and all.
-Writes into a temporary directory, never into the run's --output-dir.
+Writes into a temporary directory, never into the run's --output-dir; a passing test deletes it
+(a big target's drafter checkpoint is gigabytes), a failing one keeps it for inspection.
 """
 
 import os
+import shutil
 import sys
 import tempfile
 import threading
@@ -25,6 +27,7 @@ import dflash_model as dm  # noqa: E402
 import train_dflash_pipeline as tp  # noqa: E402
 
 RESULTS = []
+SCRATCH = None  # the run's output directory, made by main()
 
 
 class CheckFailed(Exception):
@@ -51,9 +54,7 @@ def check(name, fn):
         return
     RESULTS.append((name, "FAILED", reason, time.perf_counter() - t0))
     print(f"[FAIL] {name}: {reason}", flush=True)
-    summary()
-    sys.stdout.flush()
-    os._exit(1)
+    stop(1)
 
 
 def summary():
@@ -64,22 +65,35 @@ def summary():
     print("=" * 78, flush=True)
 
 
+def stop(exit_code):
+    """Summary, then exit at once: os._exit also ends any thread a stage left behind."""
+    summary()
+    if exit_code == 0:
+        shutil.rmtree(SCRATCH, ignore_errors=True)
+        print("smoke test passed")
+    else:
+        print(f"scratch output kept for inspection in {SCRATCH}")
+    sys.stdout.flush()
+    os._exit(exit_code)
+
+
 def main(argv=None):
     parser = tp.build_parser()
     parser.description = __doc__.split("\n")[0]
     parser.add_argument("--smoke-steps", type=int, default=20, help="training steps to run")
     parser.add_argument("--time-limit", type=float, default=1800, help="seconds before the smoke test gives up")
     args = tp.apply_demo_defaults(parser, parser.parse_args(argv), argv)
+    global SCRATCH
+    SCRATCH = tempfile.mkdtemp(prefix="dflash_smoke_")
 
     def give_up():
         print(f"\n[FAIL] time limit: the smoke test did not finish within {args.time_limit:.0f}s", flush=True)
-        summary()
-        os._exit(3)
+        stop(3)
     timer = threading.Timer(args.time_limit, give_up)
     timer.daemon = True
     timer.start()
 
-    args.output_dir = tempfile.mkdtemp(prefix="dflash_smoke_")
+    args.output_dir = SCRATCH
     args.max_steps, args.eval_prompts = args.smoke_steps, 0
     args.log_interval = max(1, args.smoke_steps // 4)
     args.save_interval = args.smoke_steps
@@ -175,10 +189,7 @@ def main(argv=None):
         return (f"{last['tokens_per_s']:,.0f} tokens/s (real {last['real_tokens_per_s']:,.0f}), "
                 f"{last['drafter_steps_per_s']:.2f} drafter steps/s, queues {last['queue_depths']}")
     check("tokens/s", throughput)
-    summary()
-    print(f"smoke test passed; scratch output in {args.output_dir}")
-    sys.stdout.flush()
-    os._exit(0)  # also ends any thread a stage left behind
+    stop(0)
 
 
 if __name__ == "__main__":

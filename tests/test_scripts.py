@@ -205,27 +205,33 @@ def smoke(tmp_path, model_dir, *extra):
            "--cache-dir", str(tmp_path / "c"), "--max-length", "128", "--token-budget", "256", "--num-anchors", "16",
            "--block-size", "4", "--num-draft-layers", "2", "--lr", "1e-2", "--target-gpus", "cpu",
            "--drafter-gpus", "cpu,cpu", *extra]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT)
+    scratch = tmp_path / "tmp"  # the smoke test's temporary directory goes in here
+    scratch.mkdir()
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT,
+                       env={**os.environ, "TMPDIR": str(scratch)})
+    return r, list(scratch.glob("dflash_smoke_*"))
 
 
 def test_smoke_test_passes(tmp_path, tiny_model_dir):
-    r = smoke(tmp_path, tiny_model_dir)
+    r, left = smoke(tmp_path, tiny_model_dir)
     assert r.returncode == 0, r.stdout + r.stderr
     for name in ("data reads and tokenises", "target loads on every target device", "drafter builds",
                  "steps run", "loss finite and falling", "checkpoint saves and loads back", "tokens/s"):
         assert f"[ ok ] {name}" in r.stdout, name
     assert "smoke test summary" in r.stdout
+    assert left == []  # a passing test leaves no checkpoint behind
 
 
 def test_smoke_test_stops_at_first_failure(tmp_path, tiny_model_dir):
-    r = smoke(tmp_path, tiny_model_dir, "--fault-inject-step", "3")
+    r, left = smoke(tmp_path, tiny_model_dir, "--fault-inject-step", "3")
     assert r.returncode == 1
     assert "[FAIL] steps run" in r.stdout and "fault injected at step 3" in r.stdout
     assert "loss finite" not in r.stdout.split("[FAIL]")[1].split("smoke test summary")[0]
+    assert len(left) == 1 and f"kept for inspection in {left[0]}" in r.stdout
 
 
 def test_smoke_test_time_box(tmp_path, tiny_model_dir):
-    r = smoke(tmp_path, tiny_model_dir, "--time-limit", "3", "--smoke-steps", "100000")
+    r, _ = smoke(tmp_path, tiny_model_dir, "--time-limit", "3", "--smoke-steps", "100000")
     assert r.returncode == 3 and "time limit" in r.stdout
 
 
