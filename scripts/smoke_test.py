@@ -84,7 +84,7 @@ def main(argv=None):
     parser.add_argument("--time-limit", type=float, default=1800, help="seconds before the smoke test gives up")
     args = tp.apply_demo_defaults(parser, parser.parse_args(argv), argv)
     global SCRATCH
-    SCRATCH = tempfile.mkdtemp(prefix="dflash_smoke_")
+    SCRATCH = args.output_dir = tempfile.mkdtemp(prefix="dflash_smoke_")
 
     def give_up():
         print(f"\n[FAIL] time limit: the smoke test did not finish within {args.time_limit:.0f}s", flush=True)
@@ -93,7 +93,6 @@ def main(argv=None):
     timer.daemon = True
     timer.start()
 
-    args.output_dir = SCRATCH
     args.max_steps, args.eval_prompts = args.smoke_steps, 0
     args.log_interval = max(1, args.smoke_steps // 4)
     args.save_interval = args.smoke_steps
