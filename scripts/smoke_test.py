@@ -8,8 +8,8 @@ tokenises; the target loads (and runs one batch) on every target device; the dra
 every drafter device; compilation and graph capture succeed on every worker (--compile); a few
 steps run with finite, falling loss; memory after warm-up does not grow; a checkpoint saves and
 loads back; tokens/s. Time-boxed (--time-limit): past it the process exits, threads and all.
-Writes into a temporary directory, never into the run's --output-dir; a passing test deletes it
-(a big target's drafter checkpoint is gigabytes), a failing one keeps it for inspection.
+Writes into a temporary directory, never into the run's --output-dir; a passing run deletes it
+(a big target's drafter checkpoint is gigabytes), a failing or timed-out one keeps it and names it.
 """
 
 import os
