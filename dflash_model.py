@@ -413,6 +413,9 @@ BLOCK_ATTENTION_CONFIG = {"fwd_rows": 64, "fwd_keys": 64, "fwd_warps": 4, "fwd_s
                           "dq_rows": 128, "dq_keys": 64, "dq_warps": 8, "dq_stages": 3,
                           "dkdv_rows": 64, "dkdv_keys": 64, "dkdv_warps": 4, "dkdv_stages": 2}
 MAX_ROWS = 128  # a program's rows (blocks x query heads per KV head x slots), as measured and tested
+# Every launch of this tool's Triton kernels passes these: fused multiply-adds, as the kernels were
+# tuned and tested with. Triton 3.10 turns them off unless a launch asks (3.9 warns of it).
+TRITON_OPTIONS = {"enable_fp_fusion": True}
 
 
 def block_attention_fits(heads, kv_heads, head_dim, block_size):
@@ -677,7 +680,7 @@ def _block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, starts: 
     _block_attention_fwd[(triton.cdiv(A, rows["P"]), B * NKV)](
         q, k, v, out, lse, starts, anchors, *_strides3(q), *_strides3(k), *_strides3(v), *_strides3(out),
         A, L, NKV, D ** -0.5, **rows, BLOCK_N=c["fwd_keys"], BLOCK_B=_own_keys(rows["P"], block_size),
-        num_warps=c["fwd_warps"], num_stages=c["fwd_stages"])
+        num_warps=c["fwd_warps"], num_stages=c["fwd_stages"], **TRITON_OPTIONS)
     return out, lse
 
 
@@ -703,13 +706,14 @@ def _block_attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tens
         *_strides3(q), *_strides3(k), *_strides3(v), *_strides3(out), *_strides3(dout),
         *_strides3(dq), *_strides3(dk), *_strides3(dv), A, L, NKV, D ** -0.5,
         **rows, BLOCK_N=c["dq_keys"], BLOCK_B=_own_keys(rows["P"], block_size), num_warps=c["dq_warps"],
-        num_stages=c["dq_stages"])
+        num_stages=c["dq_stages"], **TRITON_OPTIONS)
     NT = tile_blocks.shape[-1]
     rows = _program_rows(c["dkdv_rows"], G, block_size, D)
     _block_attention_bwd_context[(NT, B * NKV)](
         q, k, v, dout, lse, delta, dk, dv, starts, anchors, tile_blocks[0], tile_blocks[1],
         *_strides3(q), *_strides3(k), *_strides3(v), *_strides3(dout), *_strides3(dk), *_strides3(dv),
-        A, L, NKV, NT, D ** -0.5, **rows, BLOCK_N=key_tile, num_warps=c["dkdv_warps"], num_stages=c["dkdv_stages"])
+        A, L, NKV, NT, D ** -0.5, **rows, BLOCK_N=key_tile, num_warps=c["dkdv_warps"], num_stages=c["dkdv_stages"],
+        **TRITON_OPTIONS)
     return dq, dk, dv
 
 
@@ -834,7 +838,7 @@ def ce_rows(logits, labels, with_grad, block=None, num_warps=None):
     ce = torch.empty(N, dtype=torch.float32, device=logits.device)
     correct = torch.empty(N, dtype=torch.bool, device=logits.device)
     _ce_rows_kernel[(N,)](logits, labels, ce, correct, V, BLOCK=block or CE_ROWS_BLOCK, WITH_GRAD=with_grad,
-                          num_warps=num_warps or CE_ROWS_WARPS)
+                          num_warps=num_warps or CE_ROWS_WARPS, **TRITON_OPTIONS)
     return ce, correct
 
 

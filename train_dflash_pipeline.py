@@ -1401,7 +1401,7 @@ class FlatAdamW(torch.optim.AdamW):
         n = self.flat_param.numel()
         _adamw_kernel[(triton.cdiv(n, self.BLOCK),)](
             self.flat_param, self.flat_grad, self.exp_avg, self.exp_avg_sq, self.weight_bf16, clip, coef, n,
-            beta1, beta2, group["eps"], BLOCK=self.BLOCK, num_warps=self.WARPS)
+            beta1, beta2, group["eps"], BLOCK=self.BLOCK, num_warps=self.WARPS, **dm.TRITON_OPTIONS)
 
 
 class DrafterWorker:

@@ -426,6 +426,37 @@ def test_block_attention_kernels_compile_for_hopper(heads_per_kv, rows):
         assert f".entry {name}" in compiled.asm["ptx"] and compiled.asm["cubin"], name
 
 
+def test_block_attention_kernels_keep_fused_multiply_adds(monkeypatch):
+    # Triton 3.10's default (what TRITON_DEFAULT_FP_FUSION=0 gives on 3.9) compiles without
+    # fused multiply-adds unless asked; the launches' options ask, so the kernels stay as tuned.
+    pytest.importorskip("triton")
+    from scripts.experiments.hopper_compile import compile_block_attention
+    monkeypatch.setenv("TRITON_DEFAULT_FP_FUSION", "0")
+    for name, compiled in compile_block_attention(dm, 4, 64).items():
+        assert compiled.metadata.enable_fp_fusion and "fma.rn.f32" in compiled.asm["ptx"], name
+
+
+def test_every_triton_launch_passes_the_options():
+    # Each launch `kernel[grid](...)` of a @triton.jit function in the two main modules passes
+    # **TRITON_OPTIONS (read from the source: launching needs a GPU).
+    import ast
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    launches = []
+    for path in ("dflash_model.py", "train_dflash_pipeline.py"):
+        tree = ast.parse(open(os.path.join(root, path)).read())
+        kernels = {f.name for f in ast.walk(tree) if isinstance(f, ast.FunctionDef)
+                   and any(ast.unparse(d) == "triton.jit" for d in f.decorator_list)}
+        for call in ast.walk(tree):
+            if (isinstance(call, ast.Call) and isinstance(call.func, ast.Subscript)
+                    and isinstance(call.func.value, ast.Name) and call.func.value.id in kernels):
+                options = [k for k in call.keywords if k.arg is None and ast.unparse(k.value).endswith("TRITON_OPTIONS")]
+                launches.append((path, call.func.value.id, len(options)))
+    assert sorted(name for _, name, _ in launches) == ["_adamw_kernel", "_block_attention_bwd_block",
+                                                        "_block_attention_bwd_context", "_block_attention_fwd",
+                                                        "_ce_rows_kernel"]
+    assert all(n == 1 for *_, n in launches), launches
+
+
 def test_save_load_round_trip(tmp_path):
     target = tiny_target()
     drafter = make_drafter(target)

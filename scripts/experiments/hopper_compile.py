@@ -45,7 +45,8 @@ def compile_block_attention(dm, heads_per_kv, rows, block_size=16, head_dim=128)
         out[kernel.__name__] = triton.compile(ASTSource(fn=kernel, signature=signature, constexprs=constexprs,
                                                         attrs=aligned),
                                               target=GPUTarget("cuda", 90, 32),
-                                              options=dict(num_warps=c[f"{name}_warps"], num_stages=c[f"{name}_stages"]))
+                                              options=dict(num_warps=c[f"{name}_warps"], num_stages=c[f"{name}_stages"],
+                                                           **getattr(dm, "TRITON_OPTIONS", {})))
     return out
 
 
