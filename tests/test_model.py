@@ -443,7 +443,8 @@ def test_every_triton_launch_passes_the_options():
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     launches = []
     for path in ("dflash_model.py", "train_dflash_pipeline.py"):
-        tree = ast.parse(open(os.path.join(root, path)).read())
+        with open(os.path.join(root, path)) as f:
+            tree = ast.parse(f.read())
         kernels = {f.name for f in ast.walk(tree) if isinstance(f, ast.FunctionDef)
                    and any(ast.unparse(d) == "triton.jit" for d in f.decorator_list)}
         for call in ast.walk(tree):
