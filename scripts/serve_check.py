@@ -17,10 +17,12 @@ import argparse
 import json
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 
 import torch
@@ -72,7 +74,11 @@ def main(argv=None):
            "--speculative-config", spec, "--seed", "0", *args.extra.split()]
     print("starting:", " ".join(cmd), flush=True)
     log = open(os.path.join(args.drafter, "serve_check.log"), "w")
-    server = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    # vLLM leaves its ZeroMQ sockets and workers' scratch in the temp directory: it gets one of its
+    # own, removed with the server (short, in the system's: a socket's path has at most 107 bytes)
+    scratch = tempfile.mkdtemp(prefix="serve_check_")
+    server = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                              env={**os.environ, "TMPDIR": scratch})
     base = f"http://127.0.0.1:{port}"
     try:
         t0 = time.time()
@@ -108,6 +114,7 @@ def main(argv=None):
                 break
             except subprocess.TimeoutExpired:
                 continue
+        shutil.rmtree(scratch, ignore_errors=True)
     accepted, drafts = after[0] - before[0], after[1] - before[1]
     engine = 1 + accepted / drafts if drafts else float("nan")
     target = tp.load_full_target(args.target_model, args.device)  # one load, for our evaluator and the greedy outputs

@@ -1,7 +1,9 @@
 import json
 import os
+import re
 import subprocess
 import sys
+import tempfile
 import time
 import types
 
@@ -407,9 +409,13 @@ def test_vllm_serves_the_drafter_as_our_evaluator_measures(tmp_path):
     run = tmp_path / "run"
     assert tp.main(["--output-dir", str(run), "--max-steps", "20", "--eval-prompts", "0", "--save-interval", "20",
                     "--cache-dir", str(tmp_path / "cache")]) == 0  # the built-in demo's target and data
+    before = set(os.listdir(tempfile.gettempdir()))
     assert serve_check.main(["--target-model", tp.BUILTIN_MODEL, "--drafter", str(run / "final"), "--num-prompts", "4",
                              "--max-new-tokens", "32", "--device", "cpu", "--vllm-python", python,
                              "--extra", "--dtype float32 --max-model-len 2048"]) == 0
+    # nothing of the server's left in the temp directory: its sockets (UUIDs), workers' scratch, our own
+    left = re.compile(r"[0-9a-f]{8}(-[0-9a-f]{4}){3}-[0-9a-f]{12}$|torchelastic_|vllm_dist_|serve_check_")
+    assert [n for n in set(os.listdir(tempfile.gettempdir())) - before if left.match(n)] == []
 
 
 def test_recipe_regenerate_train_evaluate_from_the_command_line(tmp_path, tiny_model_dir):
