@@ -74,8 +74,8 @@ def main(argv=None):
            "--speculative-config", spec, "--seed", "0", *args.extra.split()]
     print("starting:", " ".join(cmd), flush=True)
     log = open(os.path.join(args.drafter, "serve_check.log"), "w")
-    # vLLM leaves its ZeroMQ sockets and workers' scratch in the temp directory: it gets one of its
-    # own, removed with the server (short, in the system's: a socket's path has at most 107 bytes)
+    # vLLM leaves its ZeroMQ sockets and its workers' files in the temp directory, so the server gets
+    # its own, removed when it stops; made under the system's, as a socket's path is at most 107 bytes
     scratch = tempfile.mkdtemp(prefix="serve_check_")
     server = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
                               env={**os.environ, "TMPDIR": scratch})
