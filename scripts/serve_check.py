@@ -14,10 +14,10 @@ and prompts. The server it starts is always stopped. Exit 1 when they differ by 
 """
 
 import argparse
+import getpass
 import json
 import os
 import re
-import shutil
 import signal
 import socket
 import subprocess
@@ -75,10 +75,14 @@ def main(argv=None):
     print("starting:", " ".join(cmd), flush=True)
     log = open(os.path.join(args.drafter, "serve_check.log"), "w")
     # vLLM leaves its ZeroMQ sockets and its workers' files in the temp directory, so the server gets
-    # its own, removed when it stops; made under the system's, as a socket's path is at most 107 bytes
-    scratch = tempfile.mkdtemp(prefix="serve_check_")
+    # its own, removed when it stops (or at exit, should the start itself fail); made under the
+    # system's, as a socket's path is at most 107 bytes. Inductor's cache stays where it was, so that
+    # a second check on this machine finds it.
+    scratch = tempfile.TemporaryDirectory(prefix="serve_check_", ignore_cleanup_errors=True)
+    inductor_cache = os.environ.get("TORCHINDUCTOR_CACHE_DIR",
+                                    os.path.join(tempfile.gettempdir(), f"torchinductor_{getpass.getuser()}"))
     server = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-                              env={**os.environ, "TMPDIR": scratch})
+                              env={**os.environ, "TMPDIR": scratch.name, "TORCHINDUCTOR_CACHE_DIR": inductor_cache})
     base = f"http://127.0.0.1:{port}"
     try:
         t0 = time.time()
@@ -114,7 +118,7 @@ def main(argv=None):
                 break
             except subprocess.TimeoutExpired:
                 continue
-        shutil.rmtree(scratch, ignore_errors=True)
+        scratch.cleanup()
     accepted, drafts = after[0] - before[0], after[1] - before[1]
     engine = 1 + accepted / drafts if drafts else float("nan")
     target = tp.load_full_target(args.target_model, args.device)  # one load, for our evaluator and the greedy outputs
