@@ -14,7 +14,6 @@ and prompts. The server it starts is always stopped. Exit 1 when they differ by 
 """
 
 import argparse
-import getpass
 import json
 import os
 import re
@@ -76,13 +75,10 @@ def main(argv=None):
     log = open(os.path.join(args.drafter, "serve_check.log"), "w")
     # vLLM leaves its ZeroMQ sockets and its workers' files in the temp directory, so the server gets
     # its own, removed when it stops (or at exit, should the start itself fail); made under the
-    # system's, as a socket's path is at most 107 bytes. Inductor's cache stays where it was, so that
-    # a second check on this machine finds it.
+    # system's, as a socket's path is at most 107 bytes
     scratch = tempfile.TemporaryDirectory(prefix="serve_check_", ignore_cleanup_errors=True)
-    inductor_cache = os.environ.get("TORCHINDUCTOR_CACHE_DIR",
-                                    os.path.join(tempfile.gettempdir(), f"torchinductor_{getpass.getuser()}"))
     server = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-                              env={**os.environ, "TMPDIR": scratch.name, "TORCHINDUCTOR_CACHE_DIR": inductor_cache})
+                              env={**os.environ, "TMPDIR": scratch.name})
     base = f"http://127.0.0.1:{port}"
     try:
         t0 = time.time()
