@@ -74,11 +74,15 @@ def main(argv=None):
     print("starting:", " ".join(cmd), flush=True)
     log = open(os.path.join(args.drafter, "serve_check.log"), "w")
     # vLLM leaves its ZeroMQ sockets and its workers' files in the temp directory, so the server gets
-    # its own, removed when it stops (or at exit, should the start itself fail); made under the
-    # system's, as a socket's path is at most 107 bytes
+    # its own, removed when it stops; made under the system's, as a socket's path is at most 107 bytes
     scratch = tempfile.TemporaryDirectory(prefix="serve_check_", ignore_cleanup_errors=True)
-    server = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-                              env={**os.environ, "TMPDIR": scratch.name})
+    try:
+        server = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                                  env={**os.environ, "TMPDIR": scratch.name})
+    except OSError as e:  # no such --vllm-python, or not one that runs
+        scratch.cleanup()
+        print(f"FAILED: could not start the server with {args.vllm_python}: {e}", file=sys.stderr)
+        return 1
     base = f"http://127.0.0.1:{port}"
     try:
         t0 = time.time()
