@@ -527,10 +527,10 @@ def test_benchmark_step_goes_on_when_the_compiled_step_does_not_fit_beside_the_g
     from scripts import benchmark as bm
 
     class Worker:  # a captured step replays its graph; without the graph it runs out of memory
-        stream, graphs = None, None
+        stream, graphs, captured = None, None, False
 
         def train_step(self, step, batch):
-            if self.graphs is None and getattr(self, "captured", False):
+            if self.graphs is None and self.captured:
                 raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 720.00 MiB.")
 
         def capture(self, rows, features_dim):
