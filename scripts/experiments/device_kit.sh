@@ -73,7 +73,7 @@ bg)
     echo "started $name (pid $(cat $W/$name.pid)): $*" ;;
 step-ab)  # ROUNDS TREE...
     rounds=$2; shift 2
-    mkdir -p $W/step-ab
+    rm -rf $W/step-ab && mkdir -p $W/step-ab
     for r in $(seq "$rounds"); do
         i=0
         for spec in "$@"; do  # a tree, or "VAR=VALUE ... TREE": that tree with those settings
@@ -85,12 +85,15 @@ step-ab)  # ROUNDS TREE...
                 || echo "tree $i failed"
         done
     done
+    bash "$0" step-ab-summary "$@" ;;
+step-ab-summary)  # TREE...: each tree's graphed steps from step-ab's JSON files in $W/step-ab
+    shift
     python3 - "$W/step-ab" "$@" <<'PY'
 import json, os, sys
 folder, trees = sys.argv[1], sys.argv[2:]
 for i, tree in enumerate(trees, 1):
     runs = sorted(f for f in os.listdir(folder) if f.startswith(f"tree{i}_"))
-    ms = [json.load(open(os.path.join(folder, f)))["drafter"]["graph"]["step_s"] * 1e3 for f in runs]
+    ms = [json.load(open(os.path.join(folder, f)))["results"]["drafter"]["graph"]["step_s"] * 1e3 for f in runs]
     steps = f"graphed step {', '.join(f'{m:.1f}' for m in ms)} ms, mean {sum(ms) / len(ms):.1f} ms" if ms else "no result"
     print(f"tree {i} ({tree}): {steps}")
 PY
