@@ -723,8 +723,13 @@ def main():
         results["pipeline"] = pipe
     section("benchmark done")
     if a.json:
-        with open(a.json, "w") as f:
-            json.dump({"results": results, "lines": lines}, f, indent=1, default=str)
+        write_json(a.json, results, lines)
+
+
+def write_json(path, results, lines):
+    """--json's file: the results (scripts/experiments/device_kit.sh's step-ab reads them) and the printed lines."""
+    with open(path, "w") as f:
+        json.dump({"results": results, "lines": lines}, f, indent=1, default=str)
 
 
 if __name__ == "__main__":

@@ -547,6 +547,24 @@ def test_benchmark_step_goes_on_when_the_compiled_step_does_not_fit_beside_the_g
     assert "drafter compiled after graph: skipped, out of memory beside the graph's memory pool" in printed
 
 
+def test_step_ab_summary_reads_the_benchmark_json(tmp_path):
+    # device_kit.sh step-ab times trees on the GPU with benchmark.py --json, then prints each
+    # tree's graphed steps and mean; its summary once read a key the JSON does not have.
+    from scripts import benchmark as bm
+    runs = tmp_path / "step-ab"
+    runs.mkdir()
+    for tree, rounds in ((1, (0.4545, 0.4523)), (2, (0.4537,))):
+        for r, step_s in enumerate(rounds, 1):
+            drafter = {"compiled": {"step_s": 0.45}, "graph": {"step_s": step_s, "peak_gb": 68.4}}
+            bm.write_json(str(runs / f"tree{tree}_round{r}.json"), {"preset": "qwen3-8b", "drafter": drafter}, ["lines"])
+    out = subprocess.run(["bash", "scripts/experiments/device_kit.sh", "step-ab-summary", ".", "X=1 .", "Y=1 ."],
+                         capture_output=True, text=True, cwd=ROOT, env={**os.environ, "DEVICE_KIT_W": str(tmp_path)})
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.splitlines() == ["tree 1 (.): graphed step 454.5, 452.3 ms, mean 453.4 ms",
+                                       "tree 2 (X=1 .): graphed step 453.7 ms, mean 453.7 ms",
+                                       "tree 3 (Y=1 .): no result"]
+
+
 def test_benchmark_matmul_table_groups_ops_by_shape_and_kernel(tmp_path):
     # --profile's F.matmuls: each mm/addmm event's own kernels, grouped by shapes and kernel names,
     # a step's ms and TFLOP/s from 2*M*K*N (addmm's bias not an operand); other ops ignored. A

