@@ -549,7 +549,7 @@ def test_benchmark_step_goes_on_when_the_compiled_step_does_not_fit_beside_the_g
 
 def test_step_ab_summary_reads_the_benchmark_json(tmp_path):
     # device_kit.sh step-ab times trees on the GPU with benchmark.py --json, then prints each
-    # tree's graphed steps and mean; its summary once read a key the JSON does not have.
+    # tree's graphed steps and mean: from the files that benchmark's own writer makes.
     from scripts import benchmark as bm
     runs = tmp_path / "step-ab"
     runs.mkdir()
