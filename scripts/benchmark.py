@@ -15,6 +15,7 @@ import gc
 import json
 import math
 import os
+import subprocess
 import sys
 import threading
 import time
@@ -168,6 +169,50 @@ def time_cuda(fn, n, device, warmup=0):
     return (time.perf_counter() - t0) / n
 
 
+class ClockAndPower:
+    """The SM clock and board power nvidia-smi reads every 100 ms while a timing runs: a card at
+    its power limit runs the same kernels at a lower clock, so the same step differs from one
+    machine to the next. figures() is {} with no GPU (gpu_id None), no nvidia-smi, or no reading."""
+
+    def __init__(self, gpu_id):
+        self.command = ["nvidia-smi", "--query-gpu=clocks.sm,power.draw", "--format=csv,noheader,nounits",
+                        "--loop-ms=100", f"--id={gpu_id}"]
+        self.gpu_id, self.proc, self.samples = gpu_id, None, []
+
+    def __enter__(self):
+        if self.gpu_id is not None:
+            try:
+                self.proc = subprocess.Popen(self.command, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+            except OSError:  # no nvidia-smi
+                pass
+        return self
+
+    def __exit__(self, *exc):
+        if self.proc is None:
+            return
+        self.proc.terminate()
+        out, _ = self.proc.communicate(timeout=10)
+        for line in out.splitlines():
+            try:
+                sample = [float(v) for v in line.split(",")]
+            except ValueError:  # "[N/A]" or a message: not a sample
+                continue
+            if len(sample) == 2:
+                self.samples.append(sample)
+
+    def figures(self):
+        if not self.samples:
+            return {}
+        return {"sm_mhz": sum(s[0] for s in self.samples) / len(self.samples),
+                "power_w": sum(s[1] for s in self.samples) / len(self.samples)}
+
+
+def nvidia_smi_id(device):
+    """nvidia-smi's name for a torch CUDA device: its UUID, so CUDA_VISIBLE_DEVICES cannot mismatch them."""
+    props = torch.cuda.get_device_properties(device)
+    return f"GPU-{props.uuid}" if getattr(props, "uuid", None) else str(torch.device(device).index or 0)
+
+
 def drafter_worker(a, cfg, device, embed, head, features_dim, compile, rank=0, averager=None):
     args = make_args(a, compile=compile)
     d = build_drafter(cfg, a, device, embed, head)
@@ -180,6 +225,7 @@ def drafter_step_times(a, cfg, device, embed, head, features_dim, report):
     compiled and graphed timings use one worker (compiled once, then captured), which is
     returned for the later sections (None without the compiled mode)."""
     batch = synthetic_batch(a, cfg.vocab_size, device, features_dim=features_dim)
+    gpu_id = nvidia_smi_id(device) if torch.device(device).type == "cuda" else None
     out = {}
 
     def measure(mode, w, prepare):
@@ -194,9 +240,12 @@ def drafter_step_times(a, cfg, device, embed, head, features_dim, report):
             def one():
                 step[0] += 1
                 w.train_step(step[0], batch)
-            t = time_cuda(one, a.iters, device)
-        out[mode] = {"step_s": t, "warmup_s": warm, "peak_gb": torch.cuda.max_memory_allocated(device) / 2**30}
-        report(f"drafter {mode:20s}: {t * 1e3:8.1f} ms/step  (warm-up {warm:.0f}s, peak {out[mode]['peak_gb']:.1f} GB)")
+            with ClockAndPower(gpu_id) as card:
+                t = time_cuda(one, a.iters, device)
+        out[mode] = {"step_s": t, "warmup_s": warm, "peak_gb": torch.cuda.max_memory_allocated(device) / 2**30,
+                     **card.figures()}
+        card_line = f", {out[mode]['sm_mhz']:.0f} MHz, {out[mode]['power_w']:.0f} W" if card.samples else ""
+        report(f"drafter {mode:20s}: {t * 1e3:8.1f} ms/step  (warm-up {warm:.0f}s, peak {out[mode]['peak_gb']:.1f} GB{card_line})")
 
     graphed = None
     for compile in [m == "compiled" for m in a.step_modes.split(",")]:

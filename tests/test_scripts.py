@@ -547,6 +547,28 @@ def test_benchmark_step_goes_on_when_the_compiled_step_does_not_fit_beside_the_g
     assert "drafter compiled after graph: skipped, out of memory beside the graph's memory pool" in printed
 
 
+def test_benchmark_reads_clock_and_power_from_nvidia_smi_while_timing(tmp_path, monkeypatch):
+    # A stand-in nvidia-smi on PATH prints two readings and two unreadable lines, then waits to be
+    # stopped; the means are the readings', the others skipped, the card named by its id.
+    from scripts import benchmark as bm
+    smi = tmp_path / "nvidia-smi"
+    smi.write_text('#!/bin/bash\necho "$@" > "$(dirname "$0")/args"\n'
+                   'echo "1700, 690.0"; echo "[N/A], [N/A]"; echo "1800, 700.0"; echo "1750"; exec sleep 60\n')
+    smi.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
+    with bm.ClockAndPower("GPU-test") as card:
+        time.sleep(1)
+    assert card.samples == [[1700.0, 690.0], [1800.0, 700.0]]
+    assert card.figures() == {"sm_mhz": 1750.0, "power_w": 695.0}
+    assert "--id=GPU-test" in (tmp_path / "args").read_text().split()
+    with bm.ClockAndPower(None) as none:  # not a GPU: nothing started
+        pass
+    monkeypatch.setenv("PATH", str(tmp_path / "empty"))
+    with bm.ClockAndPower("GPU-test") as missing:  # no nvidia-smi
+        pass
+    assert none.figures() == {} and missing.figures() == {}
+
+
 def test_step_ab_summary_reads_the_benchmark_json(tmp_path):
     # device_kit.sh step-ab times trees on the GPU with benchmark.py --json, then prints each
     # tree's graphed steps and mean: from the files that benchmark's own writer makes.
