@@ -7,7 +7,8 @@
 
 In one run: drafter step time eager / compiled / compiled+graph; target batch time eager / graph;
 whole-pipeline tokens/s eager vs compiled; 1 vs 2 drafter threads; drafter step time with and
-without the target running beside it; MFU of each stage from the formulas printed; peak memory.
+without the target running beside it; MFU of each stage from the formulas printed; peak memory;
+the SM clock and board power during the drafter step's timings (nvidia-smi).
 """
 
 import argparse
