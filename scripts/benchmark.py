@@ -176,14 +176,14 @@ class ClockAndPower:
     machine to the next. figures() is {} with no GPU (gpu_id None), no nvidia-smi, or no reading."""
 
     def __init__(self, gpu_id):
-        self.command = ["nvidia-smi", "--query-gpu=clocks.sm,power.draw", "--format=csv,noheader,nounits",
-                        "--loop-ms=100", f"--id={gpu_id}"]
         self.gpu_id, self.proc, self.samples = gpu_id, None, []
 
     def __enter__(self):
         if self.gpu_id is not None:
             try:
-                self.proc = subprocess.Popen(self.command, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+                self.proc = subprocess.Popen(["nvidia-smi", "--query-gpu=clocks.sm,power.draw", "--format=csv,noheader,nounits",
+                                              "--loop-ms=100", f"--id={self.gpu_id}"],
+                                             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
             except OSError:  # no nvidia-smi
                 pass
         return self
@@ -210,8 +210,7 @@ class ClockAndPower:
 
 def nvidia_smi_id(device):
     """nvidia-smi's name for a torch CUDA device: its UUID, so CUDA_VISIBLE_DEVICES cannot mismatch them."""
-    props = torch.cuda.get_device_properties(device)
-    return f"GPU-{props.uuid}" if getattr(props, "uuid", None) else str(torch.device(device).index or 0)
+    return f"GPU-{torch.cuda.get_device_properties(device).uuid}"
 
 
 def drafter_worker(a, cfg, device, embed, head, features_dim, compile, rank=0, averager=None):
@@ -243,9 +242,9 @@ def drafter_step_times(a, cfg, device, embed, head, features_dim, report):
                 w.train_step(step[0], batch)
             with ClockAndPower(gpu_id) as card:
                 t = time_cuda(one, a.iters, device)
-        out[mode] = {"step_s": t, "warmup_s": warm, "peak_gb": torch.cuda.max_memory_allocated(device) / 2**30,
-                     **card.figures()}
-        card_line = f", {out[mode]['sm_mhz']:.0f} MHz, {out[mode]['power_w']:.0f} W" if card.samples else ""
+        reading = card.figures()
+        out[mode] = {"step_s": t, "warmup_s": warm, "peak_gb": torch.cuda.max_memory_allocated(device) / 2**30, **reading}
+        card_line = f", {reading['sm_mhz']:.0f} MHz, {reading['power_w']:.0f} W" if reading else ""
         report(f"drafter {mode:20s}: {t * 1e3:8.1f} ms/step  (warm-up {warm:.0f}s, peak {out[mode]['peak_gb']:.1f} GB{card_line})")
 
     graphed = None
