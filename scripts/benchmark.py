@@ -8,7 +8,8 @@
 In one run: drafter step time eager / compiled / compiled+graph; target batch time eager / graph;
 whole-pipeline tokens/s eager vs compiled; 1 vs 2 drafter threads; drafter step time with and
 without the target running beside it; MFU of each stage from the formulas printed; peak memory;
-the SM clock and board power during the drafter step's timings (nvidia-smi).
+the SM clock and board power during the drafter step's timings (nvidia-smi), and the step's
+share of the peak at that clock.
 """
 
 import argparse
@@ -29,6 +30,7 @@ import dflash_model as dm  # noqa: E402
 import train_dflash_pipeline as tp  # noqa: E402
 
 PEAK_FLOPS = 989e12  # H200 dense bf16
+PEAK_MHZ = 1830  # the SM clock PEAK_FLOPS counts: 132 SMs x 4096 bf16 FLOP a clock (H100/H200 SXM)
 
 PRESETS = {
     # Qwen3-8B shapes
@@ -211,6 +213,17 @@ class ClockAndPower:
 def nvidia_smi_id(device):
     """nvidia-smi's name for a torch CUDA device: its UUID, so CUDA_VISIBLE_DEVICES cannot mismatch them."""
     return f"GPU-{torch.cuda.get_device_properties(device).uuid}"
+
+
+def drafter_rate_line(mode, timing, tokens, flops, attn_flops):
+    """A drafter timing's tokens/s and MFU; with the card's mean SM clock, also the share of the
+    peak at that clock: a card at its power limit runs slower, the code's share stays."""
+    rate = flops / timing["step_s"]
+    line = (f"  drafter {mode}: {tokens / timing['step_s']:,.0f} tokens/s, MFU {rate / PEAK_FLOPS:.1%} "
+            f"({(flops + attn_flops) / timing['step_s'] / PEAK_FLOPS:.1%} counting attention)")
+    if "sm_mhz" in timing:
+        line += f"; {rate / (PEAK_FLOPS * timing['sm_mhz'] / PEAK_MHZ):.1%} of the peak at {timing['sm_mhz']:.0f} MHz"
+    return line
 
 
 def drafter_worker(a, cfg, device, embed, head, features_dim, compile, rank=0, averager=None):
@@ -728,8 +741,7 @@ def main():
         st, graphed = drafter_step_times(a, cfg, drafter_dev, embed, head, features_dim, report)
         results["drafter"] = st
         for k, v in st.items():
-            report(f"  drafter {k}: {tokens / v['step_s']:,.0f} tokens/s, MFU {d_flops / v['step_s'] / PEAK_FLOPS:.1%} "
-                   f"({(d_flops + attn_flops) / v['step_s'] / PEAK_FLOPS:.1%} counting attention)")
+            report(drafter_rate_line(k, v, tokens, d_flops, attn_flops))
         if "eager" in st and "graph" in st:
             report(f"  compiled+graph vs eager: {st['eager']['step_s'] / st['graph']['step_s']:.2f}x; "
                    f"compiled vs eager {st['eager']['step_s'] / st['compiled']['step_s']:.2f}x")

@@ -569,6 +569,24 @@ def test_benchmark_reads_clock_and_power_from_nvidia_smi_while_timing(tmp_path, 
     assert none.figures() == {} and missing.figures() == {}
 
 
+def test_benchmark_drafter_line_gives_the_share_of_the_peak_at_the_measured_clock():
+    # Two H100 readings (docs/benchmarks.md, 38th and 39th sessions): 2% apart in MFU, the same
+    # share of what their clocks allow. The peak at a clock: 132 SMs x 4096 bf16 FLOP a cycle.
+    from scripts import benchmark as bm
+    flops, tokens = 266.65e12, 12288
+    shares = []
+    for step_s, mhz in ((0.4513, 1460.0), (0.4604, 1419.0)):
+        line = bm.drafter_rate_line("graph", {"step_s": step_s, "sm_mhz": mhz, "power_w": 690.0}, tokens, flops, 5.04e12)
+        mfu, share = map(float, re.search(rf"MFU ([\d.]+)%.*; ([\d.]+)% of the peak at {mhz:.0f} MHz", line).groups())
+        assert abs(mfu / 100 - flops / step_s / 989e12) < 1e-3
+        assert abs(share / 100 - flops / step_s / (132 * 4096 * mhz * 1e6)) < 2e-3
+        shares.append(share)
+    assert abs(shares[0] - shares[1]) < 1.0
+    # No clock reading (no nvidia-smi): the line as before
+    assert bm.drafter_rate_line("graph", {"step_s": 0.4513}, tokens, flops, 5.04e12) == \
+        "  drafter graph: 27,228 tokens/s, MFU 59.7% (60.9% counting attention)"
+
+
 def test_step_ab_summary_reads_the_benchmark_json(tmp_path):
     # device_kit.sh step-ab times trees on the GPU with benchmark.py --json, then prints each
     # tree's graphed steps and mean: from the files that benchmark's own writer makes.
