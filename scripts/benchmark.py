@@ -218,11 +218,12 @@ def nvidia_smi_id(device):
 def drafter_rate_line(mode, timing, tokens, flops, attn_flops):
     """A drafter timing's tokens/s and MFU; with the card's mean SM clock, also the share of the
     peak at that clock: a card at its power limit runs slower, the code's share stays."""
-    rate = flops / timing["step_s"]
-    line = (f"  drafter {mode}: {tokens / timing['step_s']:,.0f} tokens/s, MFU {rate / PEAK_FLOPS:.1%} "
-            f"({(flops + attn_flops) / timing['step_s'] / PEAK_FLOPS:.1%} counting attention)")
+    step_s = timing["step_s"]
+    mfu = flops / step_s / PEAK_FLOPS
+    line = (f"  drafter {mode}: {tokens / step_s:,.0f} tokens/s, MFU {mfu:.1%} "
+            f"({(flops + attn_flops) / step_s / PEAK_FLOPS:.1%} counting attention)")
     if "sm_mhz" in timing:
-        line += f"; {rate / (PEAK_FLOPS * timing['sm_mhz'] / PEAK_MHZ):.1%} of the peak at {timing['sm_mhz']:.0f} MHz"
+        line += f"; {mfu * PEAK_MHZ / timing['sm_mhz']:.1%} of the peak at {timing['sm_mhz']:.0f} MHz"
     return line
 
 
