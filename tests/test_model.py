@@ -317,6 +317,23 @@ def test_chunked_head_matches_full_and_grads():
     assert torch.equal(correct_eval, correct)
 
 
+def test_head_reads_hidden_in_the_weight_dtype(monkeypatch):
+    # The op gets the final norm's output (fp32 in a step) already in the head's bf16, as its matmul reads it:
+    # the same ce as casting it inside, and the gradient back in its dtype.
+    torch.manual_seed(0)
+    h = torch.randn(37, 16, requires_grad=True)
+    w = torch.randn(50, 16).to(torch.bfloat16)
+    lab = torch.randint(0, 50, (37,))
+    seen, op = [], dm._lm_head_ce
+    monkeypatch.setattr(dm, "_lm_head_ce", lambda hidden, *rest: seen.append(hidden.dtype) or op(hidden, *rest))
+    ce, _ = dm.lm_head_ce(h, w, lab, 8)
+    assert seen == [torch.bfloat16]
+    ref = torch.nn.functional.cross_entropy((h.detach().to(torch.bfloat16) @ w.t()).float(), lab, reduction="none")
+    torch.testing.assert_close(ce, ref)
+    (gh,) = torch.autograd.grad(ce.sum(), h)
+    assert gh.dtype == h.dtype and torch.isfinite(gh).all()
+
+
 def test_compiled_head_chunk_matches_eager_and_writes_no_fp32_vocabulary_buffer():
     # Compiled (--compile's LM-head chunk), the softmax gradient is fused into the reductions'
     # kernel and written once in bf16; a scatter there made it an fp32 N x V buffer plus a cast.
