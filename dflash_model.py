@@ -898,9 +898,9 @@ _lm_head_ce.register_autograd(_lm_head_ce_backward, setup_context=_lm_head_ce_se
 
 def lm_head_ce(hidden, weight, labels, chunk_size, with_grad=True):
     """Per-position cross-entropy of the frozen LM head and whether its argmax is the label;
-    differentiable in hidden when with_grad. hidden goes in as the head's matmul reads it, in the
-    weight's dtype: a compiled step writes the final norm's output so (not in fp32, for the op to
-    cast chunk by chunk) and gets its gradient back in it."""
+    differentiable in hidden when with_grad. hidden enters the op in the weight's dtype, as the
+    chunks' matmuls read it: in a compiled step the final norm then writes bf16, not fp32 that the
+    opaque op would cast chunk by chunk and whose gradient it would upcast and concatenate."""
     ce, correct, _ = _lm_head_ce(hidden.to(weight.dtype), weight, labels, chunk_size, with_grad,
                                  torch.compiler.is_compiling())
     return ce, correct
