@@ -776,8 +776,9 @@ def _upcast(x):
 
 
 def _head_ce_chunk(hidden, weight, labels, with_grad):
-    """ce, correct and (if with_grad) d ce / d hidden for one chunk of positions."""
-    logits = _upcast(hidden.to(weight.dtype) @ weight.t())
+    """ce, correct and (if with_grad) d ce / d hidden for one chunk of positions (hidden in the
+    weight's dtype, as lm_head_ce hands it over)."""
+    logits = _upcast(hidden @ weight.t())
     lse = torch.logsumexp(logits, -1, keepdim=True)
     ce = (lse - logits.gather(1, labels[:, None])).squeeze(1)
     correct = logits.argmax(-1) == labels
@@ -789,7 +790,7 @@ def _head_ce_chunk(hidden, weight, labels, with_grad):
         dlogits = torch.where(label_hit, probs - 1.0, probs)
     else:  # eager: in place, no second vocabulary-wide buffer
         dlogits = probs.scatter_add_(1, labels[:, None], torch.full_like(probs[:, :1], -1.0))
-    return ce, correct, (dlogits.to(weight.dtype) @ weight).to(hidden.dtype)
+    return ce, correct, dlogits.to(weight.dtype) @ weight
 
 
 # On CUDA the chunk's reductions are one Triton kernel: inductor's reads each row of logits about
@@ -844,9 +845,9 @@ def ce_rows(logits, labels, with_grad, block=None, num_warps=None):
 
 def _head_ce_chunk_triton(hidden, weight, labels, with_grad, **config):
     """_head_ce_chunk's contract, its reductions in ce_rows."""
-    logits = hidden.to(weight.dtype) @ weight.t()
+    logits = hidden @ weight.t()
     ce, correct = ce_rows(logits, labels.contiguous(), with_grad, **config)
-    return ce, correct, (logits @ weight).to(hidden.dtype) if with_grad else None
+    return ce, correct, logits @ weight if with_grad else None
 
 
 def head_ce_chunk_fn(device, compile_chunk):
