@@ -472,9 +472,24 @@ if triton is not None:
 
     @triton.jit
     def _key_span(starts, anchors, b, A, blk0, P: tl.constexpr):
-        """The context keys any of the program's blocks sees: from the first block's document
-        start to the last block's anchor (both sorted)."""
-        return tl.load(starts + b * A + blk0), tl.load(anchors + b * A + tl.minimum(blk0 + P, A) - 1)
+        """The context keys the program's blocks see: (any of them, from the first block's document
+        start to the last block's anchor; all of them, from the last one's start to the first one's
+        anchor). Starts and anchors are sorted."""
+        last = b * A + tl.minimum(blk0 + P, A) - 1
+        first_start, first_anchor = tl.load(starts + b * A + blk0), tl.load(anchors + b * A + blk0)
+        if P == 1:
+            return first_start, first_anchor, first_start, first_anchor
+        else:
+            return first_start, tl.load(anchors + last), tl.load(starts + last), first_anchor
+
+    @triton.jit
+    def _whole_steps(begin, end, all_lo, all_hi, STEP: tl.constexpr):
+        """Split a loop from begin to end by STEP at (first, second): the steps from first to second
+        lie wholly in [all_lo, all_hi), where every row sees every key, and need no mask."""
+        n = tl.cdiv(end - begin, STEP)
+        first = tl.minimum(tl.cdiv(all_lo - begin, STEP), n)
+        second = tl.maximum(first, tl.minimum((all_hi - begin) // STEP, n))
+        return begin + first * STEP, begin + second * STEP
 
     @triton.jit
     def _own_key_tile(blk0, blk, row_ok, A, P: tl.constexpr, BS: tl.constexpr, BLOCK_B: tl.constexpr):
@@ -496,28 +511,72 @@ if triton is not None:
         return sm_scale * 1.4426950408889634  # log2(e)
 
     @triton.jit
-    def _key_tile(k_head, v_head, keys, key_ok, sks, svs, d):
-        kt = tl.load(_rows(k_head, keys, sks, d), mask=key_ok[:, None], other=0.0)
-        vt = tl.load(_rows(v_head, keys, svs, d), mask=key_ok[:, None], other=0.0)
+    def _key_tile(k_head, v_head, keys, key_ok, sks, svs, d):  # key_ok None: every key is in bounds
+        if key_ok is None:
+            kt, vt = tl.load(_rows(k_head, keys, sks, d)), tl.load(_rows(v_head, keys, svs, d))
+        else:
+            kt = tl.load(_rows(k_head, keys, sks, d), mask=key_ok[:, None], other=0.0)
+            vt = tl.load(_rows(v_head, keys, svs, d), mask=key_ok[:, None], other=0.0)
         return kt, vt
 
     @triton.jit
     def _softmax_update(qt, kt, vt, seen, m, l_sum, acc, qk_scale):
         """One tile of keys into the running max m, sum l_sum and output acc (base 2); seen:
-        [rows, keys]. A row that has seen no key yet keeps m = -inf, and adds nothing (no nan)."""
-        s = tl.where(seen, tl.dot(qt, tl.trans(kt)) * qk_scale, float("-inf"))
-        m_new = tl.maximum(m, tl.max(s, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.exp2(s - m_safe[:, None])
-        alpha = tl.exp2(m - m_safe)
+        [rows, keys], or None where every row sees every key. A row that has seen no key yet keeps
+        m = -inf, and adds nothing (no nan)."""
+        s = tl.dot(qt, tl.trans(kt))
+        if seen is None:
+            m_new = tl.maximum(m, tl.max(s, 1) * qk_scale)
+            p = tl.exp2(s * qk_scale - m_new[:, None])
+            alpha = tl.exp2(m - m_new)
+        else:
+            s = tl.where(seen, s * qk_scale, float("-inf"))
+            m_new = tl.maximum(m, tl.max(s, 1))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            p = tl.exp2(s - m_safe[:, None])
+            alpha = tl.exp2(m - m_safe)
         return m_new, l_sum * alpha + tl.sum(p, 1), acc * alpha[:, None] + tl.dot(p.to(vt.dtype), vt)
 
     @triton.jit
+    def _attend_tiles(qt, k_head, v_head, lo, hi, end, row_start, row_end, m, l_sum, acc, sks, svs, d, qk_scale,
+                      P: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr):
+        """The context keys lo .. hi (those before end) into m, l_sum, acc, tile by tile; MASKED:
+        whether some row may not see some key of theirs."""
+        for n0 in range(lo, hi, BLOCK_N):
+            keys = n0 + tl.arange(0, BLOCK_N)
+            if MASKED:
+                kt, vt = _key_tile(k_head, v_head, keys, keys < end, sks, svs, d)
+                m, l_sum, acc = _softmax_update(qt, kt, vt, _sees(keys, row_start, row_end, P, False), m, l_sum,
+                                                acc, qk_scale)
+            else:
+                kt, vt = _key_tile(k_head, v_head, keys, None, sks, svs, d)
+                m, l_sum, acc = _softmax_update(qt, kt, vt, None, m, l_sum, acc, qk_scale)
+        return m, l_sum, acc
+
+    @triton.jit
     def _score_grads(qt, do_t, kt, vt, seen, row_lse, row_delta, qk_scale):
-        """(probabilities, d loss / d scaled scores) of rows x one tile of keys; seen: [rows, keys]."""
+        """(probabilities, d loss / d scaled scores) of rows x one tile of keys; seen: [rows, keys],
+        or None where every row sees every key."""
         p = tl.exp2(tl.dot(qt, tl.trans(kt)) * qk_scale - row_lse[:, None])
-        p = tl.where(seen, p, 0.0)
+        if seen is not None:
+            p = tl.where(seen, p, 0.0)
         return p, p * (tl.dot(do_t, tl.trans(vt)) - row_delta[:, None])
+
+    @triton.jit
+    def _dq_tiles(qt, do_t, k_head, v_head, lo, hi, end, row_start, row_end, row_lse, row_delta, acc, sks, svs, d,
+                  qk_scale, P: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr):
+        """The context keys lo .. hi (those before end) into acc, d loss / d q unscaled, as _attend_tiles."""
+        for n0 in range(lo, hi, BLOCK_N):
+            keys = n0 + tl.arange(0, BLOCK_N)
+            if MASKED:
+                kt, vt = _key_tile(k_head, v_head, keys, keys < end, sks, svs, d)
+                p, ds = _score_grads(qt, do_t, kt, vt, _sees(keys, row_start, row_end, P, False), row_lse, row_delta,
+                                     qk_scale)
+            else:
+                kt, vt = _key_tile(k_head, v_head, keys, None, sks, svs, d)
+                p, ds = _score_grads(qt, do_t, kt, vt, None, row_lse, row_delta, qk_scale)
+            acc += tl.dot(ds.to(kt.dtype), kt)
+        return acc
 
     @triton.jit
     def _block_attention_fwd(q, k, v, out, lse, starts, anchors,
@@ -533,15 +592,20 @@ if triton is not None:
         qk_scale = _base2(sm_scale)
         qt = tl.load(_rows(q + b * sqb + head * sqh, pos, sqs, d), mask=row_ok[:, None], other=0.0)
         k_head, v_head = k + b * skb + kvh * skh, v + b * svb + kvh * svh
-        start, end = _key_span(starts, anchors, b, A, blk0, P)
+        start, end, all_lo, all_hi = _key_span(starts, anchors, b, A, blk0, P)
+        whole, part = _whole_steps(start, end, all_lo, all_hi, BLOCK_N)
         m = tl.full((BLOCK_M,), float("-inf"), tl.float32)
         l_sum = tl.zeros((BLOCK_M,), tl.float32)
         acc = tl.zeros((BLOCK_M, D), tl.float32)
-        for n0 in range(start, end, BLOCK_N):  # the context keys they see
-            keys = n0 + tl.arange(0, BLOCK_N)
-            kt, vt = _key_tile(k_head, v_head, keys, keys < end, sks, svs, d)
-            seen = _sees(keys, row_start, row_end, P, False)
-            m, l_sum, acc = _softmax_update(qt, kt, vt, seen, m, l_sum, acc, qk_scale)
+        # The context keys they see: tiles some rows do not see (masked) before and after those all
+        # rows see (one block a program: none before, at most one after)
+        if P > 1:
+            m, l_sum, acc = _attend_tiles(qt, k_head, v_head, start, whole, end, row_start, row_end, m, l_sum, acc,
+                                          sks, svs, d, qk_scale, P, BLOCK_N, True)
+        m, l_sum, acc = _attend_tiles(qt, k_head, v_head, whole, part, end, row_start, row_end, m, l_sum, acc,
+                                      sks, svs, d, qk_scale, P, BLOCK_N, False)
+        m, l_sum, acc = _attend_tiles(qt, k_head, v_head, part, end, end, row_start, row_end, m, l_sum, acc,
+                                      sks, svs, d, qk_scale, P, BLOCK_N, True)
         key_ok, own, seen = _own_key_tile(blk0, blk, row_ok, A, P, BS, BLOCK_B)  # then their own keys, after the L context keys
         kt, vt = _key_tile(k_head, v_head, L + own, key_ok, sks, svs, d)
         m, l_sum, acc = _softmax_update(qt, kt, vt, seen, m, l_sum, acc, qk_scale)
@@ -571,14 +635,16 @@ if triton is not None:
         tl.store(delta + row_stat, row_delta, mask=row_ok)
         row_lse = tl.load(lse + row_stat, mask=row_ok, other=0.0)
         k_head, v_head = k + b * skb + kvh * skh, v + b * svb + kvh * svh
-        start, end = _key_span(starts, anchors, b, A, blk0, P)
+        start, end, all_lo, all_hi = _key_span(starts, anchors, b, A, blk0, P)
+        whole, part = _whole_steps(start, end, all_lo, all_hi, BLOCK_N)
         acc = tl.zeros((BLOCK_M, D), tl.float32)
-        for n0 in range(start, end, BLOCK_N):
-            keys = n0 + tl.arange(0, BLOCK_N)
-            kt, vt = _key_tile(k_head, v_head, keys, keys < end, sks, svs, d)
-            seen = _sees(keys, row_start, row_end, P, False)
-            p, ds = _score_grads(qt, do_t, kt, vt, seen, row_lse, row_delta, qk_scale)
-            acc += tl.dot(ds.to(kt.dtype), kt)
+        if P > 1:  # as in the forward
+            acc = _dq_tiles(qt, do_t, k_head, v_head, start, whole, end, row_start, row_end, row_lse, row_delta, acc,
+                            sks, svs, d, qk_scale, P, BLOCK_N, True)
+        acc = _dq_tiles(qt, do_t, k_head, v_head, whole, part, end, row_start, row_end, row_lse, row_delta, acc,
+                        sks, svs, d, qk_scale, P, BLOCK_N, False)
+        acc = _dq_tiles(qt, do_t, k_head, v_head, part, end, end, row_start, row_end, row_lse, row_delta, acc,
+                        sks, svs, d, qk_scale, P, BLOCK_N, True)
         key_ok, own, seen = _own_key_tile(blk0, blk, row_ok, A, P, BS, BLOCK_B)
         kt, vt = _key_tile(k_head, v_head, L + own, key_ok, sks, svs, d)
         p, ds = _score_grads(qt, do_t, kt, vt, seen, row_lse, row_delta, qk_scale)
@@ -593,15 +659,39 @@ if triton is not None:
                  mask=key_ok[:, None])
 
     @triton.jit
+    def _key_tile_grads(q, dout, lse, delta, starts, anchors, kt, vt, keys, lo, hi, end_blk, b, kvh, NKV, A,
+                        sqb, sqh, sqs, sgb, sgh, sgs, dk_acc, dv_acc, d, qk_scale,
+                        P: tl.constexpr, G: tl.constexpr, BS: tl.constexpr, BLOCK_M: tl.constexpr,
+                        MASKED: tl.constexpr):
+        """Blocks lo .. hi (of those before end_blk), P at a time, into one key tile's dk (unscaled)
+        and dv; MASKED: whether some block may not see some key of the tile. Without the mask, rows
+        out of bounds add nothing: their q, d out, lse and delta are zeros."""
+        for blk0 in range(lo, hi, P):
+            row_ok, blk, head, pos, row_stat = _block_rows(blk0, end_blk, b, kvh, NKV, A, P, G, BS, BLOCK_M)
+            qt = tl.load(_rows(q + b * sqb + head * sqh, pos, sqs, d), mask=row_ok[:, None], other=0.0)
+            do_t = tl.load(_rows(dout + b * sgb + head * sgh, pos, sgs, d), mask=row_ok[:, None], other=0.0)
+            row_lse = tl.load(lse + row_stat, mask=row_ok, other=0.0)
+            row_delta = tl.load(delta + row_stat, mask=row_ok, other=0.0)
+            pT = tl.exp2(tl.dot(kt, tl.trans(qt)) * qk_scale - row_lse[None, :])  # [keys, rows]
+            if MASKED:
+                row_start, row_end = _row_ranges(starts, anchors, b, A, blk0, blk, row_ok, P)
+                pT = tl.where(_sees(keys, row_start, row_end, P, True) & row_ok[None, :], pT, 0.0)
+            dv_acc += tl.dot(pT.to(do_t.dtype), do_t)
+            dsT = pT * (tl.dot(vt, tl.trans(do_t)) - row_delta[None, :])
+            dk_acc += tl.dot(dsT.to(qt.dtype), qt)
+        return dk_acc, dv_acc
+
+    @triton.jit
     def _block_attention_bwd_context(q, k, v, dout, lse, delta, dk, dv, starts, anchors, first_block, end_block,
+                                     whole_first, whole_end,
                                      sqb, sqh, sqs, skb, skh, sks, svb, svh, svs, sgb, sgh, sgs,
                                      sdkb, sdkh, sdks, sdvb, sdvh, sdvs,
                                      A, L, NKV, NT, sm_scale,
                                      P: tl.constexpr, G: tl.constexpr, BS: tl.constexpr, D: tl.constexpr,
                                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-        # Per tile of context keys: dk, dv over the blocks [first_block, end_block) that may see it,
+        # Per tile of context keys: dk, dv over the run of blocks that may see it (key_tile_blocks),
         # P blocks at a time; which of their keys each sees is decided per (block, key) from start
-        # and anchor.
+        # and anchor, but for the blocks that see the whole tile.
         tile, bh = tl.program_id(0), tl.program_id(1)
         b, kvh = (bh // NKV).to(tl.int64), bh % NKV
         d = tl.arange(0, D)
@@ -611,20 +701,18 @@ if triton is not None:
         kt, vt = _key_tile(k + b * skb + kvh * skh, v + b * svb + kvh * svh, keys, key_ok, sks, svs, d)
         dk_acc = tl.zeros((BLOCK_N, D), tl.float32)
         dv_acc = tl.zeros((BLOCK_N, D), tl.float32)
-        lo, hi = tl.load(first_block + b * NT + tile), tl.load(end_block + b * NT + tile)
-        for blk0 in range(lo, hi, P):
-            row_ok, blk, head, pos, row_stat = _block_rows(blk0, hi, b, kvh, NKV, A, P, G, BS, BLOCK_M)
-            qt = tl.load(_rows(q + b * sqb + head * sqh, pos, sqs, d), mask=row_ok[:, None], other=0.0)
-            do_t = tl.load(_rows(dout + b * sgb + head * sgh, pos, sgs, d), mask=row_ok[:, None], other=0.0)
-            row_lse = tl.load(lse + row_stat, mask=row_ok, other=0.0)
-            row_delta = tl.load(delta + row_stat, mask=row_ok, other=0.0)
-            row_start, row_end = _row_ranges(starts, anchors, b, A, blk0, blk, row_ok, P)
-            seen = _sees(keys, row_start, row_end, P, True) & row_ok[None, :]
-            pT = tl.exp2(tl.dot(kt, tl.trans(qt)) * qk_scale - row_lse[None, :])  # [keys, rows]
-            pT = tl.where(seen, pT, 0.0)
-            dv_acc += tl.dot(pT.to(do_t.dtype), do_t)
-            dsT = pT * (tl.dot(vt, tl.trans(do_t)) - row_delta[None, :])
-            dk_acc += tl.dot(dsT.to(qt.dtype), qt)
+        tile_at = b * NT + tile
+        lo, hi = tl.load(first_block + tile_at), tl.load(end_block + tile_at)
+        whole, part = _whole_steps(lo, hi, tl.load(whole_first + tile_at), tl.load(whole_end + tile_at), P)
+        dk_acc, dv_acc = _key_tile_grads(q, dout, lse, delta, starts, anchors, kt, vt, keys, lo, whole, hi, b, kvh, NKV,
+                                         A, sqb, sqh, sqs, sgb, sgh, sgs, dk_acc, dv_acc, d, qk_scale,
+                                         P, G, BS, BLOCK_M, True)
+        dk_acc, dv_acc = _key_tile_grads(q, dout, lse, delta, starts, anchors, kt, vt, keys, whole, part, hi, b, kvh,
+                                         NKV, A, sqb, sqh, sqs, sgb, sgh, sgs, dk_acc, dv_acc, d, qk_scale,
+                                         P, G, BS, BLOCK_M, False)
+        dk_acc, dv_acc = _key_tile_grads(q, dout, lse, delta, starts, anchors, kt, vt, keys, part, hi, hi, b, kvh, NKV,
+                                         A, sqb, sqh, sqs, sgb, sgh, sgs, dk_acc, dv_acc, d, qk_scale,
+                                         P, G, BS, BLOCK_M, True)
         tl.store(_rows(dk + b * sdkb + kvh * sdkh, keys, sdks, d), (dk_acc * sm_scale).to(dk.dtype.element_ty),
                  mask=key_ok[:, None])
         tl.store(_rows(dv + b * sdvb + kvh * sdvh, keys, sdvs, d), dv_acc.to(dv.dtype.element_ty), mask=key_ok[:, None])
@@ -659,13 +747,16 @@ def _unit_last(*ts):
 
 
 def key_tile_blocks(starts, anchors, seq_len, key_tile):
-    """[2, B, tiles] int32: for each tile [t, t + key_tile) of the seq_len context keys, the first
+    """[4, B, tiles] int32: for each tile [t, t + key_tile) of the seq_len context keys, the first
     block and the end of the run of blocks that may see it: anchor > t (a suffix, anchors sorted)
-    and start < t + key_tile (a prefix, starts sorted with them)."""
+    and start < t + key_tile (a prefix, starts sorted with them); then those of the run that see
+    all of it: anchor >= t + key_tile and start <= t."""
     tiles = torch.arange(-(-seq_len // key_tile), device=anchors.device, dtype=anchors.dtype) * key_tile
     tiles = tiles.expand(anchors.shape[0], -1).contiguous()
     return torch.stack([torch.searchsorted(anchors, tiles, right=True, out_int32=True),
-                        torch.searchsorted(starts, tiles + key_tile, out_int32=True)])
+                        torch.searchsorted(starts, tiles + key_tile, out_int32=True),
+                        torch.searchsorted(anchors, tiles + key_tile, out_int32=True),
+                        torch.searchsorted(starts, tiles, right=True, out_int32=True)])
 
 
 @torch.library.custom_op("dflash::block_attention", mutates_args=())
@@ -710,7 +801,7 @@ def _block_attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tens
     NT = tile_blocks.shape[-1]
     rows = _program_rows(c["dkdv_rows"], G, block_size, D)
     _block_attention_bwd_context[(NT, B * NKV)](
-        q, k, v, dout, lse, delta, dk, dv, starts, anchors, tile_blocks[0], tile_blocks[1],
+        q, k, v, dout, lse, delta, dk, dv, starts, anchors, *tile_blocks,
         *_strides3(q), *_strides3(k), *_strides3(v), *_strides3(dout), *_strides3(dk), *_strides3(dv),
         A, L, NKV, NT, D ** -0.5, **rows, BLOCK_N=key_tile, num_warps=c["dkdv_warps"], num_stages=c["dkdv_stages"],
         **TRITON_OPTIONS)

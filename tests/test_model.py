@@ -405,8 +405,10 @@ for (B, H, NKV, D, L, A, bs), (keys, rows) in zip(cases * 4, [c for c in configs
     dm.BLOCK_ATTENTION_CONFIG.update(zip(("fwd_keys", "dq_keys", "dkdv_keys"), keys))
     dm.BLOCK_ATTENTION_CONFIG.update(zip(("fwd_rows", "dq_rows", "dkdv_rows"), rows))
     doc = torch.zeros(B, L, dtype=torch.long)
-    doc[:, 15 if L < 48 else 31:] = 1  # a document starting on a tile's last key
-    doc[:, L - 5:] = 2  # three documents a row, the last one short like padding
+    # Documents a row starting on a tile's last key, one past a tile's first, and the last one
+    # short like padding
+    for i, first in enumerate(sorted({15 if L < 48 else 31, 17, L - 5})):
+        doc[:, first:] = i + 1
     anchors = torch.sort(torch.rand(B, L).topk(A, dim=1).indices, dim=1).values
     anchors[0, 0] = 0  # a block with no context at all
     anchors = torch.sort(anchors, dim=1).values
