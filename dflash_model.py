@@ -659,14 +659,16 @@ if triton is not None:
                  mask=key_ok[:, None])
 
     @triton.jit
-    def _key_tile_grads(q, dout, lse, delta, starts, anchors, kt, vt, keys, lo, hi, end_blk, b, kvh, NKV, A,
-                        sqb, sqh, sqs, sgb, sgh, sgs, dk_acc, dv_acc, d, qk_scale,
+    def _key_tile_grads(q, dout, lse, delta, starts, anchors, kt, vt, keys, lo, hi, skip_lo, skip_hi, end_blk, b,
+                        kvh, NKV, A, sqb, sqh, sqs, sgb, sgh, sgs, dk_acc, dv_acc, d, qk_scale,
                         P: tl.constexpr, G: tl.constexpr, BS: tl.constexpr, BLOCK_M: tl.constexpr,
                         MASKED: tl.constexpr):
-        """Blocks lo .. hi (of those before end_blk), P at a time, into one key tile's dk (unscaled)
-        and dv; MASKED: whether some block may not see some key of the tile. Without the mask, rows
-        out of bounds add nothing: their q, d out, lse and delta are zeros."""
-        for blk0 in range(lo, hi, P):
+        """Blocks lo .. hi but skip_lo .. skip_hi (of those before end_blk), P at a time, into one
+        key tile's dk (unscaled) and dv; MASKED: whether some block may not see some key of the
+        tile. Without the mask, rows out of bounds add nothing: their q, d out, lse and delta are
+        zeros."""
+        for i in range(lo, hi - (skip_hi - skip_lo), P):
+            blk0 = tl.where(i < skip_lo, i, i + (skip_hi - skip_lo))
             row_ok, blk, head, pos, row_stat = _block_rows(blk0, end_blk, b, kvh, NKV, A, P, G, BS, BLOCK_M)
             qt = tl.load(_rows(q + b * sqb + head * sqh, pos, sqs, d), mask=row_ok[:, None], other=0.0)
             do_t = tl.load(_rows(dout + b * sgb + head * sgh, pos, sgs, d), mask=row_ok[:, None], other=0.0)
@@ -704,14 +706,11 @@ if triton is not None:
         tile_at = b * NT + tile
         lo, hi = tl.load(first_block + tile_at), tl.load(end_block + tile_at)
         whole, part = _whole_steps(lo, hi, tl.load(whole_first + tile_at), tl.load(whole_end + tile_at), P)
-        dk_acc, dv_acc = _key_tile_grads(q, dout, lse, delta, starts, anchors, kt, vt, keys, lo, whole, hi, b, kvh, NKV,
-                                         A, sqb, sqh, sqs, sgb, sgh, sgs, dk_acc, dv_acc, d, qk_scale,
-                                         P, G, BS, BLOCK_M, True)
-        dk_acc, dv_acc = _key_tile_grads(q, dout, lse, delta, starts, anchors, kt, vt, keys, whole, part, hi, b, kvh,
-                                         NKV, A, sqb, sqh, sqs, sgb, sgh, sgs, dk_acc, dv_acc, d, qk_scale,
+        dk_acc, dv_acc = _key_tile_grads(q, dout, lse, delta, starts, anchors, kt, vt, keys, whole, part, 0, 0, hi, b,
+                                         kvh, NKV, A, sqb, sqh, sqs, sgb, sgh, sgs, dk_acc, dv_acc, d, qk_scale,
                                          P, G, BS, BLOCK_M, False)
-        dk_acc, dv_acc = _key_tile_grads(q, dout, lse, delta, starts, anchors, kt, vt, keys, part, hi, hi, b, kvh, NKV,
-                                         A, sqb, sqh, sqs, sgb, sgh, sgs, dk_acc, dv_acc, d, qk_scale,
+        dk_acc, dv_acc = _key_tile_grads(q, dout, lse, delta, starts, anchors, kt, vt, keys, lo, hi, whole, part, hi, b,
+                                         kvh, NKV, A, sqb, sqh, sqs, sgb, sgh, sgs, dk_acc, dv_acc, d, qk_scale,
                                          P, G, BS, BLOCK_M, True)
         tl.store(_rows(dk + b * sdkb + kvh * sdkh, keys, sdks, d), (dk_acc * sm_scale).to(dk.dtype.element_ty),
                  mask=key_ok[:, None])
