@@ -484,8 +484,9 @@ if triton is not None:
 
     @triton.jit
     def _whole_steps(begin, end, all_lo, all_hi, STEP: tl.constexpr):
-        """Split a loop from begin to end by STEP at (first, second): the steps from first to second
-        lie wholly in [all_lo, all_hi), where every row sees every key, and need no mask."""
+        """Two points (whole, part) of a loop from begin to end by STEP: its steps from whole to part
+        lie wholly in [all_lo, all_hi), keys every row sees, and need no mask; those before whole
+        and from part on may not."""
         n = tl.cdiv(end - begin, STEP)
         first = tl.minimum(tl.cdiv(all_lo - begin, STEP), n)
         second = tl.maximum(first, tl.minimum((all_hi - begin) // STEP, n))
@@ -659,41 +660,15 @@ if triton is not None:
                  mask=key_ok[:, None])
 
     @triton.jit
-    def _key_tile_grads(q, dout, lse, delta, starts, anchors, kt, vt, keys, lo, hi, skip_lo, skip_hi, end_blk, b,
-                        kvh, NKV, A, sqb, sqh, sqs, sgb, sgh, sgs, dk_acc, dv_acc, d, qk_scale,
-                        P: tl.constexpr, G: tl.constexpr, BS: tl.constexpr, BLOCK_M: tl.constexpr,
-                        MASKED: tl.constexpr):
-        """Blocks lo .. hi but skip_lo .. skip_hi (of those before end_blk), P at a time, into one
-        key tile's dk (unscaled) and dv; MASKED: whether some block may not see some key of the
-        tile. Without the mask, rows out of bounds add nothing: their q, d out, lse and delta are
-        zeros."""
-        for i in range(lo, hi - (skip_hi - skip_lo), P):
-            blk0 = tl.where(i < skip_lo, i, i + (skip_hi - skip_lo))
-            row_ok, blk, head, pos, row_stat = _block_rows(blk0, end_blk, b, kvh, NKV, A, P, G, BS, BLOCK_M)
-            qt = tl.load(_rows(q + b * sqb + head * sqh, pos, sqs, d), mask=row_ok[:, None], other=0.0)
-            do_t = tl.load(_rows(dout + b * sgb + head * sgh, pos, sgs, d), mask=row_ok[:, None], other=0.0)
-            row_lse = tl.load(lse + row_stat, mask=row_ok, other=0.0)
-            row_delta = tl.load(delta + row_stat, mask=row_ok, other=0.0)
-            pT = tl.exp2(tl.dot(kt, tl.trans(qt)) * qk_scale - row_lse[None, :])  # [keys, rows]
-            if MASKED:
-                row_start, row_end = _row_ranges(starts, anchors, b, A, blk0, blk, row_ok, P)
-                pT = tl.where(_sees(keys, row_start, row_end, P, True) & row_ok[None, :], pT, 0.0)
-            dv_acc += tl.dot(pT.to(do_t.dtype), do_t)
-            dsT = pT * (tl.dot(vt, tl.trans(do_t)) - row_delta[None, :])
-            dk_acc += tl.dot(dsT.to(qt.dtype), qt)
-        return dk_acc, dv_acc
-
-    @triton.jit
     def _block_attention_bwd_context(q, k, v, dout, lse, delta, dk, dv, starts, anchors, first_block, end_block,
-                                     whole_first, whole_end,
                                      sqb, sqh, sqs, skb, skh, sks, svb, svh, svs, sgb, sgh, sgs,
                                      sdkb, sdkh, sdks, sdvb, sdvh, sdvs,
                                      A, L, NKV, NT, sm_scale,
                                      P: tl.constexpr, G: tl.constexpr, BS: tl.constexpr, D: tl.constexpr,
                                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-        # Per tile of context keys: dk, dv over the run of blocks that may see it (key_tile_blocks),
+        # Per tile of context keys: dk, dv over the blocks [first_block, end_block) that may see it,
         # P blocks at a time; which of their keys each sees is decided per (block, key) from start
-        # and anchor, but for the blocks that see the whole tile.
+        # and anchor.
         tile, bh = tl.program_id(0), tl.program_id(1)
         b, kvh = (bh // NKV).to(tl.int64), bh % NKV
         d = tl.arange(0, D)
@@ -703,15 +678,20 @@ if triton is not None:
         kt, vt = _key_tile(k + b * skb + kvh * skh, v + b * svb + kvh * svh, keys, key_ok, sks, svs, d)
         dk_acc = tl.zeros((BLOCK_N, D), tl.float32)
         dv_acc = tl.zeros((BLOCK_N, D), tl.float32)
-        tile_at = b * NT + tile
-        lo, hi = tl.load(first_block + tile_at), tl.load(end_block + tile_at)
-        whole, part = _whole_steps(lo, hi, tl.load(whole_first + tile_at), tl.load(whole_end + tile_at), P)
-        dk_acc, dv_acc = _key_tile_grads(q, dout, lse, delta, starts, anchors, kt, vt, keys, whole, part, 0, 0, hi, b,
-                                         kvh, NKV, A, sqb, sqh, sqs, sgb, sgh, sgs, dk_acc, dv_acc, d, qk_scale,
-                                         P, G, BS, BLOCK_M, False)
-        dk_acc, dv_acc = _key_tile_grads(q, dout, lse, delta, starts, anchors, kt, vt, keys, lo, hi, whole, part, hi, b,
-                                         kvh, NKV, A, sqb, sqh, sqs, sgb, sgh, sgs, dk_acc, dv_acc, d, qk_scale,
-                                         P, G, BS, BLOCK_M, True)
+        lo, hi = tl.load(first_block + b * NT + tile), tl.load(end_block + b * NT + tile)
+        for blk0 in range(lo, hi, P):
+            row_ok, blk, head, pos, row_stat = _block_rows(blk0, hi, b, kvh, NKV, A, P, G, BS, BLOCK_M)
+            qt = tl.load(_rows(q + b * sqb + head * sqh, pos, sqs, d), mask=row_ok[:, None], other=0.0)
+            do_t = tl.load(_rows(dout + b * sgb + head * sgh, pos, sgs, d), mask=row_ok[:, None], other=0.0)
+            row_lse = tl.load(lse + row_stat, mask=row_ok, other=0.0)
+            row_delta = tl.load(delta + row_stat, mask=row_ok, other=0.0)
+            row_start, row_end = _row_ranges(starts, anchors, b, A, blk0, blk, row_ok, P)
+            seen = _sees(keys, row_start, row_end, P, True) & row_ok[None, :]
+            pT = tl.exp2(tl.dot(kt, tl.trans(qt)) * qk_scale - row_lse[None, :])  # [keys, rows]
+            pT = tl.where(seen, pT, 0.0)
+            dv_acc += tl.dot(pT.to(do_t.dtype), do_t)
+            dsT = pT * (tl.dot(vt, tl.trans(do_t)) - row_delta[None, :])
+            dk_acc += tl.dot(dsT.to(qt.dtype), qt)
         tl.store(_rows(dk + b * sdkb + kvh * sdkh, keys, sdks, d), (dk_acc * sm_scale).to(dk.dtype.element_ty),
                  mask=key_ok[:, None])
         tl.store(_rows(dv + b * sdvb + kvh * sdvh, keys, sdvs, d), dv_acc.to(dv.dtype.element_ty), mask=key_ok[:, None])
@@ -746,16 +726,13 @@ def _unit_last(*ts):
 
 
 def key_tile_blocks(starts, anchors, seq_len, key_tile):
-    """[4, B, tiles] int32: for each tile [t, t + key_tile) of the seq_len context keys, the first
+    """[2, B, tiles] int32: for each tile [t, t + key_tile) of the seq_len context keys, the first
     block and the end of the run of blocks that may see it: anchor > t (a suffix, anchors sorted)
-    and start < t + key_tile (a prefix, starts sorted with them); then those of the run that see
-    all of it: anchor >= t + key_tile and start <= t."""
+    and start < t + key_tile (a prefix, starts sorted with them)."""
     tiles = torch.arange(-(-seq_len // key_tile), device=anchors.device, dtype=anchors.dtype) * key_tile
     tiles = tiles.expand(anchors.shape[0], -1).contiguous()
     return torch.stack([torch.searchsorted(anchors, tiles, right=True, out_int32=True),
-                        torch.searchsorted(starts, tiles + key_tile, out_int32=True),
-                        torch.searchsorted(anchors, tiles + key_tile, out_int32=True),
-                        torch.searchsorted(starts, tiles, right=True, out_int32=True)])
+                        torch.searchsorted(starts, tiles + key_tile, out_int32=True)])
 
 
 @torch.library.custom_op("dflash::block_attention", mutates_args=())
@@ -800,7 +777,7 @@ def _block_attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tens
     NT = tile_blocks.shape[-1]
     rows = _program_rows(c["dkdv_rows"], G, block_size, D)
     _block_attention_bwd_context[(NT, B * NKV)](
-        q, k, v, dout, lse, delta, dk, dv, starts, anchors, *tile_blocks,
+        q, k, v, dout, lse, delta, dk, dv, starts, anchors, tile_blocks[0], tile_blocks[1],
         *_strides3(q), *_strides3(k), *_strides3(v), *_strides3(dout), *_strides3(dk), *_strides3(dv),
         A, L, NKV, NT, D ** -0.5, **rows, BLOCK_N=key_tile, num_warps=c["dkdv_warps"], num_stages=c["dkdv_stages"],
         **TRITON_OPTIONS)

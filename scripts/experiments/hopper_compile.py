@@ -17,7 +17,7 @@ from triton.compiler import ASTSource
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 POINTERS = {**dict.fromkeys(("q", "k", "v", "out", "dout", "dq", "dk", "dv"), "*bf16"),
             **dict.fromkeys(("lse", "delta"), "*fp32"),
-            **dict.fromkeys(("starts", "anchors", "first_block", "end_block", "whole_first", "whole_end"), "*i32")}
+            **dict.fromkeys(("starts", "anchors", "first_block", "end_block"), "*i32")}
 
 
 def compile_block_attention(dm, heads_per_kv, rows, block_size=16, head_dim=128):
