@@ -472,9 +472,25 @@ if triton is not None:
 
     @triton.jit
     def _key_span(starts, anchors, b, A, blk0, P: tl.constexpr):
-        """The context keys any of the program's blocks sees: from the first block's document
-        start to the last block's anchor (both sorted)."""
-        return tl.load(starts + b * A + blk0), tl.load(anchors + b * A + tl.minimum(blk0 + P, A) - 1)
+        """The context keys the program's blocks see: (any of them, from the first block's document
+        start to the last block's anchor; all of them, from the last one's start to the first one's
+        anchor). Starts and anchors are sorted."""
+        last = b * A + tl.minimum(blk0 + P, A) - 1
+        first_start, first_anchor = tl.load(starts + b * A + blk0), tl.load(anchors + b * A + blk0)
+        if P == 1:
+            return first_start, first_anchor, first_start, first_anchor
+        else:
+            return first_start, tl.load(anchors + last), tl.load(starts + last), first_anchor
+
+    @triton.jit
+    def _whole_steps(begin, end, all_lo, all_hi, STEP: tl.constexpr):
+        """Two points (whole, part) of a loop from begin to end by STEP: its steps from whole to part
+        lie wholly in [all_lo, all_hi), keys every row sees, and need no mask; those before whole
+        and from part on may not."""
+        n = tl.cdiv(end - begin, STEP)
+        first = tl.minimum(tl.cdiv(all_lo - begin, STEP), n)
+        second = tl.maximum(first, tl.minimum((all_hi - begin) // STEP, n))
+        return begin + first * STEP, begin + second * STEP
 
     @triton.jit
     def _own_key_tile(blk0, blk, row_ok, A, P: tl.constexpr, BS: tl.constexpr, BLOCK_B: tl.constexpr):
@@ -496,28 +512,72 @@ if triton is not None:
         return sm_scale * 1.4426950408889634  # log2(e)
 
     @triton.jit
-    def _key_tile(k_head, v_head, keys, key_ok, sks, svs, d):
-        kt = tl.load(_rows(k_head, keys, sks, d), mask=key_ok[:, None], other=0.0)
-        vt = tl.load(_rows(v_head, keys, svs, d), mask=key_ok[:, None], other=0.0)
+    def _key_tile(k_head, v_head, keys, key_ok, sks, svs, d):  # key_ok None: every key is in bounds
+        if key_ok is None:
+            kt, vt = tl.load(_rows(k_head, keys, sks, d)), tl.load(_rows(v_head, keys, svs, d))
+        else:
+            kt = tl.load(_rows(k_head, keys, sks, d), mask=key_ok[:, None], other=0.0)
+            vt = tl.load(_rows(v_head, keys, svs, d), mask=key_ok[:, None], other=0.0)
         return kt, vt
 
     @triton.jit
     def _softmax_update(qt, kt, vt, seen, m, l_sum, acc, qk_scale):
         """One tile of keys into the running max m, sum l_sum and output acc (base 2); seen:
-        [rows, keys]. A row that has seen no key yet keeps m = -inf, and adds nothing (no nan)."""
-        s = tl.where(seen, tl.dot(qt, tl.trans(kt)) * qk_scale, float("-inf"))
-        m_new = tl.maximum(m, tl.max(s, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.exp2(s - m_safe[:, None])
-        alpha = tl.exp2(m - m_safe)
+        [rows, keys], or None where every row sees every key. A row that has seen no key yet keeps
+        m = -inf, and adds nothing (no nan)."""
+        s = tl.dot(qt, tl.trans(kt))
+        if seen is None:
+            m_new = tl.maximum(m, tl.max(s, 1) * qk_scale)
+            p = tl.exp2(s * qk_scale - m_new[:, None])
+            alpha = tl.exp2(m - m_new)
+        else:
+            s = tl.where(seen, s * qk_scale, float("-inf"))
+            m_new = tl.maximum(m, tl.max(s, 1))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            p = tl.exp2(s - m_safe[:, None])
+            alpha = tl.exp2(m - m_safe)
         return m_new, l_sum * alpha + tl.sum(p, 1), acc * alpha[:, None] + tl.dot(p.to(vt.dtype), vt)
 
     @triton.jit
+    def _attend_tiles(qt, k_head, v_head, lo, hi, end, row_start, row_end, m, l_sum, acc, sks, svs, d, qk_scale,
+                      P: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr):
+        """The context keys lo .. hi (those before end) into m, l_sum, acc, tile by tile; MASKED:
+        whether some row may not see some key of theirs."""
+        for n0 in range(lo, hi, BLOCK_N):
+            keys = n0 + tl.arange(0, BLOCK_N)
+            if MASKED:
+                kt, vt = _key_tile(k_head, v_head, keys, keys < end, sks, svs, d)
+                m, l_sum, acc = _softmax_update(qt, kt, vt, _sees(keys, row_start, row_end, P, False), m, l_sum,
+                                                acc, qk_scale)
+            else:
+                kt, vt = _key_tile(k_head, v_head, keys, None, sks, svs, d)
+                m, l_sum, acc = _softmax_update(qt, kt, vt, None, m, l_sum, acc, qk_scale)
+        return m, l_sum, acc
+
+    @triton.jit
     def _score_grads(qt, do_t, kt, vt, seen, row_lse, row_delta, qk_scale):
-        """(probabilities, d loss / d scaled scores) of rows x one tile of keys; seen: [rows, keys]."""
+        """(probabilities, d loss / d scaled scores) of rows x one tile of keys; seen: [rows, keys],
+        or None where every row sees every key."""
         p = tl.exp2(tl.dot(qt, tl.trans(kt)) * qk_scale - row_lse[:, None])
-        p = tl.where(seen, p, 0.0)
+        if seen is not None:
+            p = tl.where(seen, p, 0.0)
         return p, p * (tl.dot(do_t, tl.trans(vt)) - row_delta[:, None])
+
+    @triton.jit
+    def _dq_tiles(qt, do_t, k_head, v_head, lo, hi, end, row_start, row_end, row_lse, row_delta, acc, sks, svs, d,
+                  qk_scale, P: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr):
+        """The context keys lo .. hi (those before end) into acc, d loss / d q unscaled, as _attend_tiles."""
+        for n0 in range(lo, hi, BLOCK_N):
+            keys = n0 + tl.arange(0, BLOCK_N)
+            if MASKED:
+                kt, vt = _key_tile(k_head, v_head, keys, keys < end, sks, svs, d)
+                p, ds = _score_grads(qt, do_t, kt, vt, _sees(keys, row_start, row_end, P, False), row_lse, row_delta,
+                                     qk_scale)
+            else:
+                kt, vt = _key_tile(k_head, v_head, keys, None, sks, svs, d)
+                p, ds = _score_grads(qt, do_t, kt, vt, None, row_lse, row_delta, qk_scale)
+            acc += tl.dot(ds.to(kt.dtype), kt)
+        return acc
 
     @triton.jit
     def _block_attention_fwd(q, k, v, out, lse, starts, anchors,
@@ -533,15 +593,20 @@ if triton is not None:
         qk_scale = _base2(sm_scale)
         qt = tl.load(_rows(q + b * sqb + head * sqh, pos, sqs, d), mask=row_ok[:, None], other=0.0)
         k_head, v_head = k + b * skb + kvh * skh, v + b * svb + kvh * svh
-        start, end = _key_span(starts, anchors, b, A, blk0, P)
+        start, end, all_lo, all_hi = _key_span(starts, anchors, b, A, blk0, P)
+        whole, part = _whole_steps(start, end, all_lo, all_hi, BLOCK_N)
         m = tl.full((BLOCK_M,), float("-inf"), tl.float32)
         l_sum = tl.zeros((BLOCK_M,), tl.float32)
         acc = tl.zeros((BLOCK_M, D), tl.float32)
-        for n0 in range(start, end, BLOCK_N):  # the context keys they see
-            keys = n0 + tl.arange(0, BLOCK_N)
-            kt, vt = _key_tile(k_head, v_head, keys, keys < end, sks, svs, d)
-            seen = _sees(keys, row_start, row_end, P, False)
-            m, l_sum, acc = _softmax_update(qt, kt, vt, seen, m, l_sum, acc, qk_scale)
+        # The context keys they see: tiles some rows do not see (masked) before and after those all
+        # rows see (one block a program: none before, at most one after)
+        if P > 1:
+            m, l_sum, acc = _attend_tiles(qt, k_head, v_head, start, whole, end, row_start, row_end, m, l_sum, acc,
+                                          sks, svs, d, qk_scale, P, BLOCK_N, True)
+        m, l_sum, acc = _attend_tiles(qt, k_head, v_head, whole, part, end, row_start, row_end, m, l_sum, acc,
+                                      sks, svs, d, qk_scale, P, BLOCK_N, False)
+        m, l_sum, acc = _attend_tiles(qt, k_head, v_head, part, end, end, row_start, row_end, m, l_sum, acc,
+                                      sks, svs, d, qk_scale, P, BLOCK_N, True)
         key_ok, own, seen = _own_key_tile(blk0, blk, row_ok, A, P, BS, BLOCK_B)  # then their own keys, after the L context keys
         kt, vt = _key_tile(k_head, v_head, L + own, key_ok, sks, svs, d)
         m, l_sum, acc = _softmax_update(qt, kt, vt, seen, m, l_sum, acc, qk_scale)
@@ -571,14 +636,16 @@ if triton is not None:
         tl.store(delta + row_stat, row_delta, mask=row_ok)
         row_lse = tl.load(lse + row_stat, mask=row_ok, other=0.0)
         k_head, v_head = k + b * skb + kvh * skh, v + b * svb + kvh * svh
-        start, end = _key_span(starts, anchors, b, A, blk0, P)
+        start, end, all_lo, all_hi = _key_span(starts, anchors, b, A, blk0, P)
+        whole, part = _whole_steps(start, end, all_lo, all_hi, BLOCK_N)
         acc = tl.zeros((BLOCK_M, D), tl.float32)
-        for n0 in range(start, end, BLOCK_N):
-            keys = n0 + tl.arange(0, BLOCK_N)
-            kt, vt = _key_tile(k_head, v_head, keys, keys < end, sks, svs, d)
-            seen = _sees(keys, row_start, row_end, P, False)
-            p, ds = _score_grads(qt, do_t, kt, vt, seen, row_lse, row_delta, qk_scale)
-            acc += tl.dot(ds.to(kt.dtype), kt)
+        if P > 1:  # as in the forward
+            acc = _dq_tiles(qt, do_t, k_head, v_head, start, whole, end, row_start, row_end, row_lse, row_delta, acc,
+                            sks, svs, d, qk_scale, P, BLOCK_N, True)
+        acc = _dq_tiles(qt, do_t, k_head, v_head, whole, part, end, row_start, row_end, row_lse, row_delta, acc,
+                        sks, svs, d, qk_scale, P, BLOCK_N, False)
+        acc = _dq_tiles(qt, do_t, k_head, v_head, part, end, end, row_start, row_end, row_lse, row_delta, acc,
+                        sks, svs, d, qk_scale, P, BLOCK_N, True)
         key_ok, own, seen = _own_key_tile(blk0, blk, row_ok, A, P, BS, BLOCK_B)
         kt, vt = _key_tile(k_head, v_head, L + own, key_ok, sks, svs, d)
         p, ds = _score_grads(qt, do_t, kt, vt, seen, row_lse, row_delta, qk_scale)

@@ -395,20 +395,24 @@ sys.path.insert(0, sys.argv[1])
 import dflash_model as dm
 torch.manual_seed(0)
 # (rows, query heads, KV heads, head_dim, context length, blocks, block size): heads x slots of
-# 16, 30 (padded to 32 rows) and 16 a program; a 16-slot block beside a 16-key tile. Key tiles
-# of 16 and 32, so blocks span several. Rows a program: 16, one block; then 48 and 64, 3 and 4
-# blocks of 16 rows, 1 and 2 of 30 (the last program short of blocks, blocks of different
-# documents in one program).
-cases = [(2, 4, 2, 32, 40, 6, 8), (1, 6, 2, 16, 50, 5, 10), (1, 2, 2, 16, 33, 3, 16)]
+# 16, 30 (padded to 32 rows) and 16 a program; a 16-slot block beside a 16-key tile; a long
+# document, whose blocks see whole key tiles. Key tiles of 16 and 32, so blocks span several.
+# Rows a program: 16, one block; then 48 and 64, 3 and 4 blocks of 16 rows, 1 and 2 of 30 (the
+# last program short of blocks, blocks of different documents in one program).
+cases = [(2, 4, 2, 32, 40, 6, 8), (1, 6, 2, 16, 50, 5, 10), (1, 2, 2, 16, 33, 3, 16), (1, 2, 1, 16, 80, 8, 8)]
 configs = [(keys, rows) for rows in ((16, 16, 16), (48, 64, 64)) for keys in ((16, 16, 16), (32, 16, 32))]
 for (B, H, NKV, D, L, A, bs), (keys, rows) in zip(cases * 4, [c for c in configs for _ in cases]):
     dm.BLOCK_ATTENTION_CONFIG.update(zip(("fwd_keys", "dq_keys", "dkdv_keys"), keys))
     dm.BLOCK_ATTENTION_CONFIG.update(zip(("fwd_rows", "dq_rows", "dkdv_rows"), rows))
     doc = torch.zeros(B, L, dtype=torch.long)
-    doc[:, 15 if L < 48 else 31:] = 1  # a document starting on a tile's last key
-    doc[:, L - 5:] = 2  # three documents a row, the last one short like padding
+    # Documents a row starting on a tile's last key, one past a tile's first, and the last one
+    # short like padding
+    for i, first in enumerate(sorted({15 if L < 48 else 31, 17, L - 5})):
+        doc[:, first:] = i + 1
     anchors = torch.sort(torch.rand(B, L).topk(A, dim=1).indices, dim=1).values
     anchors[0, 0] = 0  # a block with no context at all
+    if L > 63:  # anchors on the last key of a 16- and a 32-key tile, in a document starting before both
+        anchors[0, 1:3] = torch.tensor([47, 63])
     anchors = torch.sort(anchors, dim=1).values
     q = torch.randn(B, A * bs, H, D).transpose(1, 2).requires_grad_()  # DraftAttention's layout
     k, v = (torch.randn(B, NKV, L + A * bs, D).requires_grad_() for _ in range(2))
