@@ -2,8 +2,8 @@
 Triton's compiler and ptxas (which triton ships) need none. Prints each kernel's SASS
 instructions, registers and stack (spills) a thread (triton's cuobjdump and nvdisasm) and its
 loads pipelined into shared memory (async copies in the TTGIR), for this
-tree's dflash_model.py and any others given, at one block a program
-(Qwen3-8B's 4 heads a KV head x 16 slots) unless --heads-per-kv / --rows say otherwise.
+tree's dflash_model.py and any others given, at Qwen3-8B's 4 heads a KV head (--heads-per-kv)
+and each kernel's rows a program as dm.BLOCK_ATTENTION_CONFIG sets them (--rows: all at that).
 
     python scripts/experiments/hopper_compile.py [--trees .ab/base/dflash_model.py,...]
 
@@ -20,22 +20,22 @@ POINTERS = {**dict.fromkeys(("q", "k", "v", "out", "dout", "dq", "dk", "dv"), "*
             **dict.fromkeys(("starts", "anchors", "first_block", "end_block"), "*i32")}
 
 
-def compile_block_attention(dm, heads_per_kv, rows, block_size=16, head_dim=128):
+def compile_block_attention(dm, heads_per_kv, rows=None, block_size=16, head_dim=128):
     """{kernel name: compiled kernel} of dm's three block-attention kernels for sm_90, with
     dm.BLOCK_ATTENTION_CONFIG's keys, warps and stages and the row layout dm's launches use for
-    `rows` (trees before the twenty-sixth session: one block a program, their only layout)."""
+    `rows`, or for each kernel's configured rows if None (trees before the twenty-sixth session:
+    one block a program, their only layout)."""
     c = dm.BLOCK_ATTENTION_CONFIG
     several = hasattr(dm, "_program_rows")
-    program = (dm._program_rows(rows, heads_per_kv, block_size, head_dim) if several else
-               dict(G=heads_per_kv, BS=block_size, D=head_dim,
-                    BLOCK_M=max(16, triton.next_power_of_2(heads_per_kv * block_size))))
-    own_keys = dm._own_keys(program["P"], block_size) if several else dm._own_keys(block_size)
     out = {}
     for kernel, name in ((dm._block_attention_fwd, "fwd"), (dm._block_attention_bwd_block, "dq"),
                          (dm._block_attention_bwd_context, "dkdv")):
+        program = (dm._program_rows(rows or c[f"{name}_rows"], heads_per_kv, block_size, head_dim) if several else
+                   dict(G=heads_per_kv, BS=block_size, D=head_dim,
+                        BLOCK_M=max(16, triton.next_power_of_2(heads_per_kv * block_size))))
         constexprs = dict(program, BLOCK_N=c[f"{name}_keys"])
         if "BLOCK_B" in kernel.arg_names:
-            constexprs["BLOCK_B"] = own_keys
+            constexprs["BLOCK_B"] = dm._own_keys(program["P"], block_size) if several else dm._own_keys(block_size)
         signature = {n: "constexpr" if n in constexprs else POINTERS.get(n, "fp32" if n == "sm_scale" else "i32")
                      for n in kernel.arg_names}
         # As Triton's launcher specializes them: 16-byte aligned pointers, and integers that are
@@ -68,7 +68,7 @@ def main():
     p = argparse.ArgumentParser()
     p.add_argument("--trees", default="", help="comma list of other dflash_model.py files to compile beside this tree's")
     p.add_argument("--heads-per-kv", type=int, default=4)
-    p.add_argument("--rows", type=int, default=64)
+    p.add_argument("--rows", type=int, default=None, help="every kernel's rows a program (default: each one's configured)")
     a = p.parse_args()
     for i, path in enumerate([os.path.join(ROOT, "dflash_model.py")] + list(filter(None, a.trees.split(",")))):
         spec = importlib.util.spec_from_file_location(f"dflash_model_{i}", path)
@@ -78,8 +78,8 @@ def main():
         for name, k in compile_block_attention(dm, a.heads_per_kv, a.rows).items():
             instructions, regs, stack = sass_summary(k)
             copies = k.asm["ttgir"].count("async_copy_global_to_local")  # loads pipelined into shared memory
-            print(f"{path}: {name}: {instructions} SASS instructions, {regs} registers, {stack} B stack a thread, "
-                  f"{copies} async copies", flush=True)
+            print(f"{path}: {name} ({k.metadata.num_warps} warps): {instructions} SASS instructions, {regs} registers, "
+                  f"{stack} B stack a thread, {copies} async copies", flush=True)
 
 
 if __name__ == "__main__":
