@@ -30,7 +30,7 @@ def compile_block_attention(dm, heads_per_kv, rows=None, block_size=16, head_dim
     out = {}
     for kernel, name in ((dm._block_attention_fwd, "fwd"), (dm._block_attention_bwd_block, "dq"),
                          (dm._block_attention_bwd_context, "dkdv")):
-        program = (dm._program_rows(rows or c[f"{name}_rows"], heads_per_kv, block_size, head_dim) if several else
+        program = (dm._program_rows(rows or c.get(f"{name}_rows", 64), heads_per_kv, block_size, head_dim) if several else
                    dict(G=heads_per_kv, BS=block_size, D=head_dim,
                         BLOCK_M=max(16, triton.next_power_of_2(heads_per_kv * block_size))))
         constexprs = dict(program, BLOCK_N=c[f"{name}_keys"])
