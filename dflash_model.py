@@ -544,14 +544,10 @@ if triton is not None:
         """The context keys lo .. hi (those before end) into m, l_sum, acc, tile by tile; MASKED:
         whether some row may not see some key of theirs."""
         for n0 in range(lo, hi, BLOCK_N):
-            keys = n0 + tl.arange(0, BLOCK_N)
-            if MASKED:
-                kt, vt = _key_tile(k_head, v_head, keys, keys < end, sks, svs, d)
-                m, l_sum, acc = _softmax_update(qt, kt, vt, _sees(keys, row_start, row_end, P, False), m, l_sum,
-                                                acc, qk_scale)
-            else:
-                kt, vt = _key_tile(k_head, v_head, keys, None, sks, svs, d)
-                m, l_sum, acc = _softmax_update(qt, kt, vt, None, m, l_sum, acc, qk_scale)
+            keys = n0 + tl.arange(0, BLOCK_N)  # masked: those before end, and per row its own range
+            kt, vt = _key_tile(k_head, v_head, keys, (keys < end) if MASKED else None, sks, svs, d)
+            seen = _sees(keys, row_start, row_end, P, False) if MASKED else None
+            m, l_sum, acc = _softmax_update(qt, kt, vt, seen, m, l_sum, acc, qk_scale)
         return m, l_sum, acc
 
     @triton.jit
@@ -568,14 +564,10 @@ if triton is not None:
                   qk_scale, P: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr):
         """The context keys lo .. hi (those before end) into acc, d loss / d q unscaled, as _attend_tiles."""
         for n0 in range(lo, hi, BLOCK_N):
-            keys = n0 + tl.arange(0, BLOCK_N)
-            if MASKED:
-                kt, vt = _key_tile(k_head, v_head, keys, keys < end, sks, svs, d)
-                p, ds = _score_grads(qt, do_t, kt, vt, _sees(keys, row_start, row_end, P, False), row_lse, row_delta,
-                                     qk_scale)
-            else:
-                kt, vt = _key_tile(k_head, v_head, keys, None, sks, svs, d)
-                p, ds = _score_grads(qt, do_t, kt, vt, None, row_lse, row_delta, qk_scale)
+            keys = n0 + tl.arange(0, BLOCK_N)  # masked: those before end, and per row its own range
+            kt, vt = _key_tile(k_head, v_head, keys, (keys < end) if MASKED else None, sks, svs, d)
+            seen = _sees(keys, row_start, row_end, P, False) if MASKED else None
+            p, ds = _score_grads(qt, do_t, kt, vt, seen, row_lse, row_delta, qk_scale)
             acc += tl.dot(ds.to(kt.dtype), kt)
         return acc
 
