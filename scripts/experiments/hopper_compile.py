@@ -3,7 +3,8 @@ Triton's compiler and ptxas (which triton ships) need none. Prints each kernel's
 instructions, registers and stack (spills) a thread (triton's cuobjdump and nvdisasm) and its
 loads pipelined into shared memory (async copies in the TTGIR), for this
 tree's dflash_model.py and any others given, at Qwen3-8B's 4 heads a KV head (--heads-per-kv)
-and each kernel's rows a program as dm.BLOCK_ATTENTION_CONFIG sets them (--rows: all at that).
+and each kernel's rows a program as dm.BLOCK_ATTENTION_CONFIG sets them (--rows: all at that);
+for the others also whether each kernel's PTX, debug information aside, is this tree's.
 
     python scripts/experiments/hopper_compile.py [--trees .ab/base/dflash_model.py,...]
 
@@ -64,12 +65,20 @@ def sass_summary(kernel):
     return sum(1 for line in sass.splitlines() if re.search(r"/\*[0-9a-f]{4,}\*/\s+[@A-Z]", line)), regs, stack
 
 
+def ptx_code(kernel):
+    """A compiled kernel's PTX without its debug information (source lines, labels): equal for
+    two trees when a change moved code around but not what the GPU runs."""
+    ptx = kernel.asm["ptx"].split(".section\t.debug")[0]
+    return "\n".join(line for line in ptx.splitlines() if not re.match(r"\s*(\.loc|\.file|//|\$L__)", line))
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--trees", default="", help="comma list of other dflash_model.py files to compile beside this tree's")
     p.add_argument("--heads-per-kv", type=int, default=4)
     p.add_argument("--rows", type=int, default=None, help="every kernel's rows a program (default: each one's configured)")
     a = p.parse_args()
+    first = {}  # this tree's kernels' PTX
     for i, path in enumerate([os.path.join(ROOT, "dflash_model.py")] + list(filter(None, a.trees.split(",")))):
         spec = importlib.util.spec_from_file_location(f"dflash_model_{i}", path)
         dm = importlib.util.module_from_spec(spec)
@@ -78,8 +87,10 @@ def main():
         for name, k in compile_block_attention(dm, a.heads_per_kv, a.rows).items():
             instructions, regs, stack = sass_summary(k)
             copies = k.asm["ttgir"].count("async_copy_global_to_local")  # loads pipelined into shared memory
+            code = first.setdefault(name, ptx_code(k))
+            same = "" if i == 0 else "; the same PTX as this tree's" if code == ptx_code(k) else "; other PTX"
             print(f"{path}: {name} ({k.metadata.num_warps} warps): {instructions} SASS instructions, {regs} registers, "
-                  f"{stack} B stack a thread, {copies} async copies", flush=True)
+                  f"{stack} B stack a thread, {copies} async copies{same}", flush=True)
 
 
 if __name__ == "__main__":
