@@ -415,6 +415,9 @@ def target_batch_times(a, replica, report):
     t = time_cuda(lambda: replica.features(batch), a.iters, replica.device)
     out["flex compiled graph"] = t
     report(f"target flex compiled graph: {t * 1e3:8.1f} ms/batch")
+    if a.profile:  # the path a run takes (--compile on a GPU): its graph's replays, kernel by kernel
+        report(f"target flex compiled graph, per batch ({a.profile}.target):")
+        profile_kernels(lambda s: replica.features(batch), replica.device, a.profile + ".target", report)
     replica.drop_capture()
     replica.set_compiled_layers(False)
     replica.set_attention(a.target_attention)
@@ -665,7 +668,8 @@ def main():
     p.add_argument("--output-dir", default="/tmp/dflash_bench")
     p.add_argument("--json", default=None, help="write all results here")
     p.add_argument("--profile", default=None, help="write a per-kernel GPU time table of the compiled drafter step here; "
-                   "the graph's replays to FILE.graph and the two compared to FILE.diff")
+                   "the graph's replays to FILE.graph and the two compared to FILE.diff; the target stage's "
+                   "flex compiled graph to FILE.target")
     p.add_argument("--ce-memory", action="store_true", help="only the LM-head/CE peak memory per chunk size (CPU or GPU)")
     p.add_argument("--ce-positions", type=int, default=16384)
     p.add_argument("--ce-hidden", type=int, default=4096)

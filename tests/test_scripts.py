@@ -547,6 +547,47 @@ def test_benchmark_step_goes_on_when_the_compiled_step_does_not_fit_beside_the_g
     assert "drafter compiled after graph: skipped, out of memory beside the graph's memory pool" in printed
 
 
+def test_benchmark_profiles_the_target_stage_as_a_run_takes_it(monkeypatch):
+    # --profile also tables the target stage's kernels: those of the path a --compile run on a GPU
+    # takes (flex attention, compiled layers, the graph), not of the eager or dense timings beside
+    # it. CUDA's timing and the profiler are stubbed out; the replica says what state it is in.
+    from scripts import benchmark as bm
+
+    class Replica:
+        device, attention, compiled_layers, captured = "cpu", "flex", False, False
+        model = types.SimpleNamespace(config=types.SimpleNamespace(vocab_size=100))
+
+        def features(self, batch):
+            return (self.attention, self.compiled_layers, self.captured)
+
+        def set_attention(self, attention):
+            self.attention = attention
+
+        def set_compiled_layers(self, on):
+            self.compiled_layers = on
+
+        def capture(self, rows, max_length):
+            self.captured = True
+
+        def drop_capture(self):
+            self.captured = False
+
+    profiled = []
+    monkeypatch.setattr(bm, "time_cuda", lambda fn, n, device: 0.1)
+    monkeypatch.setattr(bm, "profile_kernels", lambda step, device, path, report: profiled.append((path, step(0))))
+    a = types.SimpleNamespace(rows=1, max_length=16, iters=2, target_attention="dense", profile=None)
+    replica = Replica()
+    bm.target_batch_times(a, replica, lambda line: None)
+    assert profiled == []
+    a.profile = "/tmp/prof.txt"
+    printed = []
+    out = bm.target_batch_times(a, replica, printed.append)
+    assert profiled == [("/tmp/prof.txt.target", ("flex", True, True))]
+    assert "target flex compiled graph, per batch (/tmp/prof.txt.target):" in printed
+    assert sorted(out) == ["eager", "flex compiled graph", "flex eager", "flex graph", "graph"]
+    assert (replica.attention, replica.compiled_layers, replica.captured) == ("dense", False, False)
+
+
 def test_benchmark_reads_clock_and_power_from_nvidia_smi_while_timing(tmp_path, monkeypatch):
     # A stand-in nvidia-smi on PATH prints two readings and two unreadable lines, then waits to be
     # stopped; the means are the readings', the others skipped, the card named by its id.
