@@ -315,10 +315,10 @@ def kernel_category(name):
     return "other"
 
 
-def profile_kernels(step, device, path, report, steps=3):
+def profile_kernels(step, device, path, report, steps=3, call="step"):
     """GPU time per kernel over a few calls of `step` (the compiled step, or a graph's replays:
     CUPTI records the kernels of a replay one by one): by category, and the 40 largest, written
-    to `path`. Returns {kernel name: (ms a step, calls a step)}."""
+    to `path`; `call` names what one call of `step` is. Returns {kernel name: (ms a call, calls a call)}."""
     from torch.profiler import ProfilerActivity, profile
     for s in range(2):
         step(s)
@@ -338,9 +338,9 @@ def profile_kernels(step, device, path, report, steps=3):
     for e in kernels:
         c = kernel_category(e.key)
         by_cat[c] = by_cat.get(c, 0) + time_of(e)
-    lines = [f"GPU kernel time per step: {total / steps / 1e3:.1f} ms over {steps} steps"]
+    lines = [f"GPU kernel time per {call}: {total / steps / 1e3:.1f} ms (mean of {steps})"]
     lines += [f"  {c:36s} {t / steps / 1e3:8.1f} ms  {t / total:6.1%}" for c, t in sorted(by_cat.items(), key=lambda x: -x[1])]
-    lines.append("largest kernels (ms per step, calls per step, name):")
+    lines.append(f"largest kernels (ms per {call}, calls per {call}, name):")
     for e in sorted(kernels, key=time_of, reverse=True)[:40]:
         lines.append(f"  {time_of(e) / steps / 1e3:8.2f} {e.count // steps:5d}  {e.key[:150]}")
     for l in lines[:len(by_cat) + 1]:
@@ -416,8 +416,8 @@ def target_batch_times(a, replica, report):
     out["flex compiled graph"] = t
     report(f"target flex compiled graph: {t * 1e3:8.1f} ms/batch")
     if a.profile:  # the path a run takes (--compile on a GPU): its graph's replays, kernel by kernel
-        report(f"target flex compiled graph, per batch ({a.profile}.target):")
-        profile_kernels(lambda s: replica.features(batch), replica.device, a.profile + ".target", report)
+        report(f"target flex compiled graph ({a.profile}.target):")
+        profile_kernels(lambda s: replica.features(batch), replica.device, a.profile + ".target", report, call="batch")
     replica.drop_capture()
     replica.set_compiled_layers(False)
     replica.set_attention(a.target_attention)

@@ -574,7 +574,7 @@ def test_benchmark_profiles_the_target_stage_as_a_run_takes_it(monkeypatch):
 
     profiled = []
     monkeypatch.setattr(bm, "time_cuda", lambda fn, n, device: 0.1)
-    monkeypatch.setattr(bm, "profile_kernels", lambda step, device, path, report: profiled.append((path, step(0))))
+    monkeypatch.setattr(bm, "profile_kernels", lambda step, device, path, report, call: profiled.append((path, call, step(0))))
     a = types.SimpleNamespace(rows=1, max_length=16, iters=2, target_attention="dense", profile=None)
     replica = Replica()
     bm.target_batch_times(a, replica, lambda line: None)
@@ -582,8 +582,8 @@ def test_benchmark_profiles_the_target_stage_as_a_run_takes_it(monkeypatch):
     a.profile = "/tmp/prof.txt"
     printed = []
     out = bm.target_batch_times(a, replica, printed.append)
-    assert profiled == [("/tmp/prof.txt.target", ("flex", True, True))]
-    assert "target flex compiled graph, per batch (/tmp/prof.txt.target):" in printed
+    assert profiled == [("/tmp/prof.txt.target", "batch", ("flex", True, True))]
+    assert "target flex compiled graph (/tmp/prof.txt.target):" in printed
     assert sorted(out) == ["eager", "flex compiled graph", "flex eager", "flex graph", "graph"]
     assert (replica.attention, replica.compiled_layers, replica.captured) == ("dense", False, False)
 
