@@ -471,18 +471,6 @@ if triton is not None:
         return seen
 
     @triton.jit
-    def _key_span(starts, anchors, b, A, blk0, P: tl.constexpr):
-        """The context keys the program's blocks see: (any of them, from the first block's document
-        start to the last block's anchor; all of them, from the last one's start to the first one's
-        anchor). Starts and anchors are sorted."""
-        last = b * A + tl.minimum(blk0 + P, A) - 1
-        first_start, first_anchor = tl.load(starts + b * A + blk0), tl.load(anchors + b * A + blk0)
-        if P == 1:
-            return first_start, first_anchor, first_start, first_anchor
-        else:
-            return first_start, tl.load(anchors + last), tl.load(starts + last), first_anchor
-
-    @triton.jit
     def _whole_steps(begin, end, all_lo, all_hi, STEP: tl.constexpr):
         """Two points (whole, part) of a loop from begin to end by STEP: its steps from whole to part
         lie wholly in [all_lo, all_hi), keys every row sees, and need no mask; those before whole
@@ -491,6 +479,21 @@ if triton is not None:
         first = tl.minimum(tl.cdiv(all_lo - begin, STEP), n)
         second = tl.maximum(first, tl.minimum((all_hi - begin) // STEP, n))
         return begin + first * STEP, begin + second * STEP
+
+    @triton.jit
+    def _key_span(starts, anchors, b, A, blk0, P: tl.constexpr, BLOCK_N: tl.constexpr):
+        """The context keys the program's blocks see, as a loop by BLOCK_N tiles: (start, whole,
+        part, end). Any of the blocks sees keys from the first one's document start to the last
+        one's anchor; all of them from the last one's start to the first one's anchor, and the
+        tiles from whole to part lie in that (_whole_steps). Starts and anchors are sorted."""
+        last = b * A + tl.minimum(blk0 + P, A) - 1
+        start, first_anchor = tl.load(starts + b * A + blk0), tl.load(anchors + b * A + blk0)
+        if P == 1:
+            end, all_lo = first_anchor, start
+        else:
+            end, all_lo = tl.load(anchors + last), tl.load(starts + last)
+        whole, part = _whole_steps(start, end, all_lo, first_anchor, BLOCK_N)
+        return start, whole, part, end
 
     @triton.jit
     def _own_key_tile(blk0, blk, row_ok, A, P: tl.constexpr, BS: tl.constexpr, BLOCK_B: tl.constexpr):
@@ -585,8 +588,7 @@ if triton is not None:
         qk_scale = _base2(sm_scale)
         qt = tl.load(_rows(q + b * sqb + head * sqh, pos, sqs, d), mask=row_ok[:, None], other=0.0)
         k_head, v_head = k + b * skb + kvh * skh, v + b * svb + kvh * svh
-        start, end, all_lo, all_hi = _key_span(starts, anchors, b, A, blk0, P)
-        whole, part = _whole_steps(start, end, all_lo, all_hi, BLOCK_N)
+        start, whole, part, end = _key_span(starts, anchors, b, A, blk0, P, BLOCK_N)
         m = tl.full((BLOCK_M,), float("-inf"), tl.float32)
         l_sum = tl.zeros((BLOCK_M,), tl.float32)
         acc = tl.zeros((BLOCK_M, D), tl.float32)
@@ -628,8 +630,7 @@ if triton is not None:
         tl.store(delta + row_stat, row_delta, mask=row_ok)
         row_lse = tl.load(lse + row_stat, mask=row_ok, other=0.0)
         k_head, v_head = k + b * skb + kvh * skh, v + b * svb + kvh * svh
-        start, end, all_lo, all_hi = _key_span(starts, anchors, b, A, blk0, P)
-        whole, part = _whole_steps(start, end, all_lo, all_hi, BLOCK_N)
+        start, whole, part, end = _key_span(starts, anchors, b, A, blk0, P, BLOCK_N)
         acc = tl.zeros((BLOCK_M, D), tl.float32)
         if P > 1:  # as in the forward
             acc = _dq_tiles(qt, do_t, k_head, v_head, start, whole, end, row_start, row_end, row_lse, row_delta, acc,

@@ -87,8 +87,9 @@ def main():
         for name, k in compile_block_attention(dm, a.heads_per_kv, a.rows).items():
             instructions, regs, stack = sass_summary(k)
             copies = k.asm["ttgir"].count("async_copy_global_to_local")  # loads pipelined into shared memory
-            code = first.setdefault(name, ptx_code(k))
-            same = "" if i == 0 else "; the same PTX as this tree's" if code == ptx_code(k) else "; other PTX"
+            code = ptx_code(k)
+            same = "" if i == 0 else "; the same PTX as this tree's" if code == first[name] else "; other PTX"
+            first.setdefault(name, code)
             print(f"{path}: {name} ({k.metadata.num_warps} warps): {instructions} SASS instructions, {regs} registers, "
                   f"{stack} B stack a thread, {copies} async copies{same}", flush=True)
 
