@@ -1,0 +1,61 @@
+"""The target stage's flex attention forward alone, per kernel_options config, at the benchmark's
+Qwen3-8B shapes: 4 rows x 3072 tokens, 32 query / 8 KV heads of 128, one document a row, under
+the stage's own block mask (train_dflash_pipeline.document_block_mask). The stage passes no
+kernel_options, so flex takes its default for the card (on an H100/H200 in bf16 at head dim 128:
+BLOCK_M 128, BLOCK_N 64, 3 stages, 8 warps); this says whether another config is faster.
+
+    python scripts/experiments/target_flex_configs.py
+
+Prints ms, TFLOP/s over the causal (query, key) pairs and the largest difference from the first
+config's output (the default's), one line per config; the last line is the fastest config as
+JSON (null: the default). Not yet run on a GPU (docs/benchmarks.md, forty-third session)."""
+import json, os, sys, time
+import torch
+from torch.nn.attention.flex_attention import flex_attention
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+import train_dflash_pipeline as tp  # noqa: E402
+
+torch._dynamo.config.recompile_limit = 64  # one compile per config
+dev = "cuda"
+B, H, KV, L, D = 4, 32, 8, 3072, 128
+gen = torch.Generator(dev).manual_seed(0)
+q = torch.randn(B, H, L, D, device=dev, dtype=torch.bfloat16, generator=gen)
+k = torch.randn(B, KV, L, D, device=dev, dtype=torch.bfloat16, generator=gen)
+v = torch.randn(B, KV, L, D, device=dev, dtype=torch.bfloat16, generator=gen)
+block_mask = tp.document_block_mask(torch.zeros(B, L, dtype=torch.long, device=dev))
+flops = 4 * B * H * D * L * (L + 1) / 2
+configs = [None,
+           dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=2),
+           dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=4),
+           dict(BLOCK_M=128, BLOCK_N=64, num_warps=4, num_stages=3),
+           dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=3),
+           dict(BLOCK_M=128, BLOCK_N=32, num_warps=4, num_stages=3),
+           dict(USE_TMA=True),
+           dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=2, USE_TMA=True)]
+
+default_out, fastest = None, (float("inf"), None)
+for cfg in configs:
+    attn = torch.compile(lambda q, k, v, cfg=cfg: flex_attention(q, k, v, block_mask=block_mask, enable_gqa=True,
+                                                                 kernel_options=cfg), dynamic=False)
+    try:
+        t0 = time.perf_counter()
+        out = attn(q, k, v)
+        torch.cuda.synchronize()
+        compile_s = time.perf_counter() - t0
+        for _ in range(3):
+            attn(q, k, v)
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(20):
+            attn(q, k, v)
+        torch.cuda.synchronize()
+        t = (time.perf_counter() - t0) / 20
+    except Exception as e:  # a config the card cannot run (shared memory, registers): say so and go on
+        print(f"{cfg}: failed, {type(e).__name__}: {str(e)[:200]}")
+        continue
+    default_out = out if default_out is None else default_out
+    print(f"{cfg}: {t * 1e3:.3f} ms, {flops / t / 1e12:.0f} TFLOP/s, max |diff| {(out - default_out).abs().max().item():.4f}, "
+          f"compiled in {compile_s:.0f}s", flush=True)
+    if t < fastest[0]:
+        fastest = (t, cfg)
+print(json.dumps(fastest[1]))
