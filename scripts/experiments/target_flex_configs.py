@@ -9,11 +9,12 @@ BLOCK_M 128, BLOCK_N 64, 3 stages, 8 warps); this says whether another config is
 Prints ms, TFLOP/s over the causal (query, key) pairs and the largest difference from the first
 config's output (the default's), one line per config; the last line is the fastest config as
 JSON (null: the default). Not yet run on a GPU (docs/benchmarks.md, forty-third session)."""
-import json, os, sys, time
+import json, os, sys
 import torch
 from torch.nn.attention.flex_attention import flex_attention
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 import train_dflash_pipeline as tp  # noqa: E402
+from scripts.benchmark import time_cuda  # noqa: E402
 
 torch._dynamo.config.recompile_limit = 64  # one compile per config
 dev = "cuda"
@@ -33,28 +34,19 @@ configs = [None,
            dict(USE_TMA=True),
            dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=2, USE_TMA=True)]
 
-default_out, fastest = None, (float("inf"), None)
+first_out, fastest = None, (float("inf"), None)
 for cfg in configs:
-    attn = torch.compile(lambda q, k, v, cfg=cfg: flex_attention(q, k, v, block_mask=block_mask, enable_gqa=True,
-                                                                 kernel_options=cfg), dynamic=False)
+    attn = torch.compile(lambda cfg=cfg: flex_attention(q, k, v, block_mask=block_mask, enable_gqa=True,
+                                                        kernel_options=cfg), dynamic=False)
     try:
-        t0 = time.perf_counter()
-        out = attn(q, k, v)
-        torch.cuda.synchronize()
-        compile_s = time.perf_counter() - t0
-        for _ in range(3):
-            attn(q, k, v)
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        for _ in range(20):
-            attn(q, k, v)
-        torch.cuda.synchronize()
-        t = (time.perf_counter() - t0) / 20
+        compile_s = time_cuda(attn, 1, dev)  # the first call compiles
+        t = time_cuda(attn, 20, dev, warmup=3)
     except Exception as e:  # a config the card cannot run (shared memory, registers): say so and go on
         print(f"{cfg}: failed, {type(e).__name__}: {str(e)[:200]}")
         continue
-    default_out = out if default_out is None else default_out
-    print(f"{cfg}: {t * 1e3:.3f} ms, {flops / t / 1e12:.0f} TFLOP/s, max |diff| {(out - default_out).abs().max().item():.4f}, "
+    out = attn()
+    first_out = out if first_out is None else first_out
+    print(f"{cfg}: {t * 1e3:.3f} ms, {flops / t / 1e12:.0f} TFLOP/s, max |diff| {(out - first_out).abs().max().item():.4f}, "
           f"compiled in {compile_s:.0f}s", flush=True)
     if t < fastest[0]:
         fastest = (t, cfg)
