@@ -376,6 +376,16 @@ def flex_kernel_options(device, head_dim):
     return SM90_FLEX_BACKWARD if head_dim in (64, 128) and hopper(device) else None
 
 
+# flex_attention's forward on Hopper at head_dim 128 under the target stage's document mask:
+# 64 x 64 tiles with 4 warps instead of inductor's 128 x 64 with 8, 7.5% faster with the same
+# output (docs/benchmarks.md, forty-fourth session; scripts/experiments/target_flex_configs.py).
+SM90_FLEX_TARGET = {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4, "num_stages": 3}
+
+
+def target_flex_options(device, head_dim):
+    return SM90_FLEX_TARGET if head_dim == 128 and hopper(device) else None
+
+
 def flex_attend(anchors, doc_ids, block_size):
     """flex_attention over a block-sparse mask built from the same predicate (GPU path). Inside a
     torch.compile'd step both are traced into the step; eagerly, flex_attention runs compiled."""
@@ -1377,8 +1387,9 @@ def _register_grouped_attention():
 def flex_attention_for_transformers(module, query, key, value, attention_mask, dropout=0.0, scaling=None,
                                     kernel_options=None, **kwargs):
     """A transformers model's attention as flex_attention under the BlockMask given as its
-    attention_mask (registered as "dflash_flex"): the target stage's document mask, the
-    decoder's per-row mask. kernel_options: flex_attention's (tile sizes, stages, warps)."""
+    attention_mask (registered as "dflash_flex"; the target stage's as "dflash_flex_target"): the
+    target stage's document mask, the decoder's per-row mask. kernel_options: flex_attention's
+    (tile sizes, stages, warps)."""
     from torch.nn.attention.flex_attention import flex_attention
     if kwargs.get("softcap") is not None:
         raise ValueError("flex attention does not apply attention logit soft-capping: use the dense (target stage) "
@@ -1389,11 +1400,20 @@ def flex_attention_for_transformers(module, query, key, value, attention_mask, d
     return out.transpose(1, 2).contiguous(), None
 
 
+def target_flex_attention(module, query, key, value, attention_mask, **kwargs):
+    """flex_attention_for_transformers with the target stage's forward tiles for the card
+    (registered as "dflash_flex_target"; the decoder's steps keep inductor's)."""
+    return flex_attention_for_transformers(module, query, key, value, attention_mask,
+                                           kernel_options=target_flex_options(query.device, query.shape[-1]), **kwargs)
+
+
 @functools.cache
-def register_flex_attention():
+def register_flex_attention(target_stage=False):
     from transformers import AttentionInterface
-    AttentionInterface.register("dflash_flex", flex_attention_for_transformers)
-    return "dflash_flex"
+    name, attention = (("dflash_flex_target", target_flex_attention) if target_stage
+                       else ("dflash_flex", flex_attention_for_transformers))
+    AttentionInterface.register(name, attention)
+    return name
 
 
 class attention_implementation:

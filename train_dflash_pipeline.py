@@ -881,7 +881,7 @@ class TargetReplica:
         without a mask). A captured forward keeps the attention it was captured with."""
         self.attention = attention
         self.use_attention = dm.attention_implementation(
-            self.model, dm.register_flex_attention() if attention == "flex" else self.own_attention)
+            self.model, dm.register_flex_attention(target_stage=True) if attention == "flex" else self.own_attention)
 
     def set_compiled_layers(self, on):
         """Each decoder layer compiled by inductor (its elementwise work fused; one graph serves

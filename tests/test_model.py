@@ -139,6 +139,22 @@ def test_flex_backward_options_only_where_measured(monkeypatch):
     assert dm.flex_kernel_options(cuda, 64) is None and dm.flex_kernel_options(cuda, 128) is None
 
 
+def test_target_stage_flex_forward_options_only_where_measured(monkeypatch):
+    # The target stage's attention passes its forward tiles for the card (Hopper at head_dim 128,
+    # measured faster with the same output: docs/benchmarks.md); the decoder's keeps inductor's.
+    assert dm.register_flex_attention(target_stage=True) == "dflash_flex_target"
+    assert dm.register_flex_attention() == "dflash_flex"
+    seen = []
+    monkeypatch.setattr(dm, "flex_attention_for_transformers", lambda *a, kernel_options=None, **kw: seen.append(kernel_options))
+    monkeypatch.setattr(dm, "hopper", lambda device: True)
+    for head_dim in (128, 64):
+        q = torch.zeros(1, 2, 4, head_dim)
+        dm.target_flex_attention(None, q, q, q, None, scaling=1.0)
+    monkeypatch.setattr(dm, "hopper", lambda device: False)
+    dm.target_flex_attention(None, q.new_zeros(1, 2, 4, 128), q, q, None)
+    assert seen == [dm.SM90_FLEX_TARGET, None, None]
+
+
 def test_flex_attention_path_equals_dense_path():
     # The GPU training path (flex_attention over flex_block_mask) against the CPU one (SDPA with
     # the dense mask), forward only: flex_attention has no backward on CPU. Lengths off the

@@ -1,18 +1,19 @@
 """The target stage's flex attention forward alone, per kernel_options config, at the benchmark's
 Qwen3-8B shapes: 4 rows x 3072 tokens, 32 query / 8 KV heads of 128, one document a row, under
-the stage's own block mask (train_dflash_pipeline.document_block_mask). The stage passes no
-kernel_options, so flex takes its default for the card (on an H100/H200 in bf16 at head dim 128:
-BLOCK_M 128, BLOCK_N 64, 3 stages, 8 warps); this says whether another config is faster.
+the stage's own block mask (train_dflash_pipeline.document_block_mask). First inductor's default
+for the card (None; on an H100/H200 in bf16 at head dim 128: BLOCK_M 128, BLOCK_N 64, 3 stages,
+8 warps), then the stage's own on Hopper (dm.SM90_FLEX_TARGET), then others.
 
     python scripts/experiments/target_flex_configs.py
 
 Prints ms, TFLOP/s over the causal (query, key) pairs and the largest difference from the first
 config's output (the default's), one line per config; the last line is the fastest config as
-JSON (null: the default). Not yet run on a GPU (docs/benchmarks.md, forty-third session)."""
+JSON (null: the default). Measured on an H200: docs/benchmarks.md, forty-fourth session."""
 import json, os, sys
 import torch
 from torch.nn.attention.flex_attention import flex_attention
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+import dflash_model as dm  # noqa: E402
 import train_dflash_pipeline as tp  # noqa: E402
 from scripts.benchmark import time_cuda  # noqa: E402
 
@@ -25,12 +26,16 @@ k = torch.randn(B, KV, L, D, device=dev, dtype=torch.bfloat16, generator=gen)
 v = torch.randn(B, KV, L, D, device=dev, dtype=torch.bfloat16, generator=gen)
 block_mask = tp.document_block_mask(torch.zeros(B, L, dtype=torch.long, device=dev))
 flops = 4 * B * H * D * L * (L + 1) / 2
-configs = [None,
+configs = [None, dm.SM90_FLEX_TARGET,
            dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=2),
            dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=4),
            dict(BLOCK_M=128, BLOCK_N=64, num_warps=4, num_stages=3),
-           dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=3),
            dict(BLOCK_M=128, BLOCK_N=32, num_warps=4, num_stages=3),
+           dict(BLOCK_M=64, BLOCK_N=128, num_warps=4, num_stages=3),
+           dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=2),
+           dict(BLOCK_M=64, BLOCK_N=64, num_warps=8, num_stages=3),
+           dict(BLOCK_M=64, BLOCK_N=32, num_warps=4, num_stages=3),
+           dict(BLOCK_M=32, BLOCK_N=64, num_warps=4, num_stages=3),
            dict(USE_TMA=True),
            dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=2, USE_TMA=True)]
 
