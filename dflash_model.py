@@ -360,6 +360,10 @@ def compiled(fn):
 # third and fourteenth sessions).
 SM90_FLEX_BACKWARD = {"bwd_BLOCK_M1": 64, "bwd_BLOCK_N1": 128, "bwd_BLOCK_M2": 128, "bwd_BLOCK_N2": 64,
                       "bwd_num_stages": 2, "bwd_num_warps": 8}
+# flex_attention's forward on Hopper at head_dim 128 under the target stage's document mask:
+# 64 x 64 tiles with 4 warps instead of inductor's 128 x 64 with 8, 7.5% faster with the same
+# output (docs/benchmarks.md, forty-fourth session; scripts/experiments/target_flex_configs.py).
+SM90_FLEX_TARGET = {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4, "num_stages": 3}
 
 
 @torch.compiler.assume_constant_result  # read once while tracing a compiled step, not traced
@@ -372,18 +376,11 @@ def hopper(device):
     return device.type == "cuda" and cuda_capability(str(device)) == (9, 0)
 
 
-def flex_kernel_options(device, head_dim):
-    return SM90_FLEX_BACKWARD if head_dim in (64, 128) and hopper(device) else None
-
-
-# flex_attention's forward on Hopper at head_dim 128 under the target stage's document mask:
-# 64 x 64 tiles with 4 warps instead of inductor's 128 x 64 with 8, 7.5% faster with the same
-# output (docs/benchmarks.md, forty-fourth session; scripts/experiments/target_flex_configs.py).
-SM90_FLEX_TARGET = {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4, "num_stages": 3}
-
-
-def target_flex_options(device, head_dim):
-    return SM90_FLEX_TARGET if head_dim == 128 and hopper(device) else None
+def flex_kernel_options(device, head_dim, target_stage=False):
+    """The measured flex_attention settings for the drafter's training attention, or with
+    target_stage the target's forward; None (inductor's defaults) where none was measured."""
+    options, head_dims = (SM90_FLEX_TARGET, (128,)) if target_stage else (SM90_FLEX_BACKWARD, (64, 128))
+    return options if head_dim in head_dims and hopper(device) else None
 
 
 def flex_attend(anchors, doc_ids, block_size):
@@ -1404,7 +1401,8 @@ def target_flex_attention(module, query, key, value, attention_mask, **kwargs):
     """flex_attention_for_transformers with the target stage's forward tiles for the card
     (registered as "dflash_flex_target"; the decoder's steps keep inductor's)."""
     return flex_attention_for_transformers(module, query, key, value, attention_mask,
-                                           kernel_options=target_flex_options(query.device, query.shape[-1]), **kwargs)
+                                           kernel_options=flex_kernel_options(query.device, query.shape[-1], target_stage=True),
+                                           **kwargs)
 
 
 @functools.cache
