@@ -1381,6 +1381,15 @@ def _register_grouped_attention():
     return "dflash_decode"
 
 
+def token_major(query):
+    """[B, heads, L, D] queries, the same values stored [B, L, heads, D] (no copy where they already
+    are). flex writes its output in its queries' order, so the [B, L, heads * D] an output
+    projection reads is then a view, not a copy; the as_strided view makes inductor store the
+    queries so rather than in an order of its own choosing."""
+    query = query.transpose(1, 2).contiguous().transpose(1, 2)
+    return query.as_strided(query.shape, query.stride())
+
+
 def flex_attention_for_transformers(module, query, key, value, attention_mask, dropout=0.0, scaling=None,
                                     kernel_options=None, **kwargs):
     """A transformers model's attention as flex_attention under the BlockMask given as its
@@ -1392,8 +1401,8 @@ def flex_attention_for_transformers(module, query, key, value, attention_mask, d
         raise ValueError("flex attention does not apply attention logit soft-capping: use the dense (target stage) "
                          "or grouped (decoder) attention for this model")
     attn = flex_attention if torch.compiler.is_compiling() else compiled(flex_attention)
-    out = attn(query, key, value, block_mask=attention_mask, scale=scaling, enable_gqa=query.shape[1] != key.shape[1],
-               kernel_options=kernel_options)
+    out = attn(token_major(query), key, value, block_mask=attention_mask, scale=scaling,
+               enable_gqa=query.shape[1] != key.shape[1], kernel_options=kernel_options)
     return out.transpose(1, 2).contiguous(), None
 
 

@@ -677,6 +677,33 @@ def test_compiled_target_layers_give_the_same_features(tiny_model_dir):
     torch.testing.assert_close(fused.features(batch), plain.features(batch), rtol=1e-4, atol=1e-4)
 
 
+def test_compiled_target_layers_store_queries_token_major_and_save_the_attention_output_copy(tiny_model_dir,
+                                                                                             monkeypatch):
+    """flex's output follows its queries' order: with the queries token-major (dm.token_major) a
+    compiled layer has one kernel fewer than with inductor's own order, which needs a transposing
+    copy before the output projection; the features are the same."""
+    from torch._inductor import metrics
+    from torch._inductor.utils import run_and_get_code
+    monkeypatch.setattr(torch._inductor.config, "fx_graph_cache", False)  # count what each compiles
+    batch = {"input_ids": torch.randint(0, 100, (2, 256), generator=torch.Generator().manual_seed(0)),
+             "doc_ids": torch.tensor([[0] * 100 + [1] * 156, [0] * 256]), "position_ids": torch.arange(256).repeat(2, 1)}
+
+    def features_and_kernels_a_layer():
+        torch._dynamo.reset()
+        metrics.reset()
+        (replica,), _, _ = tp.load_target_replicas(tiny_model_dir, [torch.device("cpu")], [1, 3], log=lambda *a: None,
+                                                   attention="flex", compile_layers=True)
+        features, codes = run_and_get_code(replica.features, batch)  # one code a compiled graph
+        return features, metrics.generated_kernel_count / len(codes)
+
+    token_major = features_and_kernels_a_layer()
+    monkeypatch.setattr(dm, "token_major", lambda query: query)
+    inductors_order = features_and_kernels_a_layer()
+    torch._dynamo.reset()
+    torch.testing.assert_close(token_major[0], inductors_order[0], rtol=1e-4, atol=1e-4)
+    assert token_major[1] == inductors_order[1] - 1
+
+
 def test_the_built_in_target_is_evaluated_on_mt_bench_whatever_it_trains_on(tmp_path):
     """The final evaluation of the built-in target defaults to MT-Bench with any --data (the
     human-reply comparison run typed a file and was evaluated on nothing); --eval-data wins; any
