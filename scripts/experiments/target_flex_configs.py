@@ -1,14 +1,16 @@
 """The target stage's flex attention forward alone, per kernel_options config, at the benchmark's
 Qwen3-8B shapes: 4 rows x 3072 tokens, 32 query / 8 KV heads of 128, one document a row, under
-the stage's own block mask (train_dflash_pipeline.document_block_mask). First inductor's default
-for the card (None; on an H100/H200 in bf16 at head dim 128: BLOCK_M 128, BLOCK_N 64, 3 stages,
-8 warps), then the stage's own on Hopper (dm.SM90_FLEX_TARGET), then others.
+the stage's own block mask (train_dflash_pipeline.document_block_mask), the queries token-major
+as the stage stores them (dm.token_major; head-major in the forty-fourth session's run). First
+inductor's default for the card (None; on an H100/H200 in bf16 at head dim 128: BLOCK_M 128,
+BLOCK_N 64, 3 stages, 8 warps), then the stage's own on Hopper (dm.SM90_FLEX_TARGET), then others.
 
     python scripts/experiments/target_flex_configs.py
 
 Prints ms, TFLOP/s over the causal (query, key) pairs and the largest difference from the first
 config's output (the default's), one line per config; the last line is the fastest config as
-JSON (null: the default). Measured on an H200: docs/benchmarks.md, forty-fourth session."""
+JSON (null: the default). Measured on an H200 (forty-fourth session) and an H100 (forty-fifth):
+docs/benchmarks.md."""
 import json, os, sys
 import torch
 from torch.nn.attention.flex_attention import flex_attention
@@ -21,7 +23,7 @@ torch._dynamo.config.recompile_limit = 64  # one compile per config
 dev = "cuda"
 B, H, KV, L, D = 4, 32, 8, 3072, 128
 gen = torch.Generator(dev).manual_seed(0)
-q = torch.randn(B, H, L, D, device=dev, dtype=torch.bfloat16, generator=gen)
+q = torch.randn(B, L, H, D, device=dev, dtype=torch.bfloat16, generator=gen).transpose(1, 2)  # token-major, as the stage's
 k = torch.randn(B, KV, L, D, device=dev, dtype=torch.bfloat16, generator=gen)
 v = torch.randn(B, KV, L, D, device=dev, dtype=torch.bfloat16, generator=gen)
 block_mask = tp.document_block_mask(torch.zeros(B, L, dtype=torch.long, device=dev))
