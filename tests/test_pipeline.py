@@ -684,7 +684,6 @@ def test_compiled_target_layers_store_queries_token_major_and_save_the_attention
     copy before the output projection; the features are the same."""
     from torch._inductor import metrics
     from torch._inductor.utils import run_and_get_code
-    monkeypatch.setattr(torch._inductor.config, "fx_graph_cache", False)  # count what each compiles
     batch = {"input_ids": torch.randint(0, 100, (2, 256), generator=torch.Generator().manual_seed(0)),
              "doc_ids": torch.tensor([[0] * 100 + [1] * 156, [0] * 256]), "position_ids": torch.arange(256).repeat(2, 1)}
 
@@ -693,8 +692,9 @@ def test_compiled_target_layers_store_queries_token_major_and_save_the_attention
         metrics.reset()
         (replica,), _, _ = tp.load_target_replicas(tiny_model_dir, [torch.device("cpu")], [1, 3], log=lambda *a: None,
                                                    attention="flex", compile_layers=True)
-        features, codes = run_and_get_code(replica.features, batch)  # one code a compiled graph
-        return features, metrics.generated_kernel_count / len(codes)
+        with torch._inductor.config.patch(fx_graph_cache=False):  # count what each compiles (not monkeypatch:
+            features, codes = run_and_get_code(replica.features, batch)  # its undo deletes a config entry)
+        return features, metrics.generated_kernel_count / len(codes)  # one code a compiled graph
 
     token_major = features_and_kernels_a_layer()
     monkeypatch.setattr(dm, "token_major", lambda query: query)
