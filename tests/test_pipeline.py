@@ -692,9 +692,11 @@ def test_compiled_target_layers_store_queries_token_major_and_save_the_attention
         metrics.reset()
         (replica,), _, _ = tp.load_target_replicas(tiny_model_dir, [torch.device("cpu")], [1, 3], log=lambda *a: None,
                                                    attention="flex", compile_layers=True)
-        with torch._inductor.config.patch(fx_graph_cache=False):  # count what each compiles (not monkeypatch:
-            features, codes = run_and_get_code(replica.features, batch)  # its undo deletes a config entry)
-        return features, metrics.generated_kernel_count / len(codes)  # one code a compiled graph
+        # No FX graph cache, so each call compiles what it counts (config.patch: monkeypatch's undo
+        # deletes a config entry); run_and_get_code returns one code a compiled graph.
+        with torch._inductor.config.patch(fx_graph_cache=False):
+            features, codes = run_and_get_code(replica.features, batch)
+        return features, metrics.generated_kernel_count / len(codes)
 
     token_major = features_and_kernels_a_layer()
     monkeypatch.setattr(dm, "token_major", lambda query: query)

@@ -3,8 +3,8 @@ shapes (4 rows x 3072 tokens, 32 query / 8 KV heads of 128): flex_attention unde
 block mask with its tiles (dm.SM90_FLEX_TARGET on Hopper), against the varlen kernels PyTorch
 ships (FlashAttention 2 and cuDNN through cumulative sequence offsets, each document one
 sequence), eager and replayed as a CUDA graph. Two packings: one document a row (the benchmark's)
-and several documents a row with padding; the offsets are padded to a fixed count with empty
-sequences, as a fixed-shape graph needs.
+and several documents a row as the pipeline packs them (tp.pack_epoch); the offsets are padded to
+a fixed count with empty sequences, as a fixed-shape graph needs.
 
     python scripts/experiments/target_attention_kernels.py
 
@@ -14,6 +14,7 @@ and the largest difference from flex's output on the real tokens. On an H100 wit
 varlen path builds its graph every call (~48 ms) and cannot be captured; cuDNN's dense causal
 kernel is 1.5x flex but serves only one document a row."""
 import os, sys
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -25,7 +26,7 @@ from scripts.benchmark import time_cuda  # noqa: E402
 
 dev = "cuda"
 B, H, KV, L, D = 4, 32, 8, 3072, 128
-G, T = H // KV, B * L
+T = B * L
 gen = torch.Generator(dev).manual_seed(0)
 # [T, heads, D]: the varlen kernels' layout; flex gets the transposed [B, heads, L, D] view
 q = torch.randn(T, H, D, device=dev, dtype=torch.bfloat16, generator=gen)
@@ -38,16 +39,15 @@ def rows(t):
 
 
 def packed_doc_ids(seed):
-    """Several documents a row (64 to 2048 tokens), the last row ending in 500 padding tokens."""
-    g = torch.Generator().manual_seed(seed)
-    ids = torch.full((B, L), -1, dtype=torch.long)
-    for r in range(B):
-        pos, doc, end = 0, 0, L - (500 if r == B - 1 else 0)
-        while pos < end:
-            n = min(int(torch.randint(64, 2049, (1,), generator=g)), end - pos)
-            ids[r, pos:pos + n] = doc
-            pos, doc = pos + n, doc + 1
-    return ids.to(dev)
+    """The pipeline's packing (tp.pack_epoch, tp.make_batch) of documents of 64 to 2048 tokens:
+    several a row, each row's unused end padding."""
+    lengths = np.random.default_rng(seed).integers(64, 2049, 64)
+
+    class Documents:  # make_batch reads only each document's tokens and loss mask
+        def doc(self, d):
+            return np.zeros(lengths[d], np.int64), np.ones(lengths[d], np.float32)
+    rows = tp.pack_epoch(lengths, L, seed, 0)[:B]
+    return tp.make_batch(Documents(), rows, L)["doc_ids"].to(dev)
 
 
 def cu_seqlens(doc_ids, count):
@@ -60,23 +60,17 @@ def cu_seqlens(doc_ids, count):
     return torch.cat([starts, torch.tensor([T], device=dev)]).to(torch.int32)
 
 
-def visible_pairs(doc_ids):
-    lengths = torch.unique_consecutive(torch.arange(B, device=dev)[:, None] * 10**6 + doc_ids,
-                                       return_counts=True)[1].double()
-    return float((lengths * (lengths + 1) / 2).sum())
-
-
 for name, doc_ids in [("one document a row", torch.zeros(B, L, dtype=torch.long, device=dev)),
                       ("packed, padded", packed_doc_ids(0))]:
     block_mask = tp.document_block_mask(doc_ids)
-    n_seqs = int(cu_seqlens(doc_ids, T)[:-1].lt(T).sum())
-    flops = 4 * H * D * visible_pairs(doc_ids)
+    lengths = cu_seqlens(doc_ids, T).diff().double()  # every run's length, then empty ones
+    n_seqs = int(lengths.gt(0).sum())
+    flops = 4 * H * D * float((lengths * (lengths + 1) / 2).sum())  # the visible (query, key) pairs
     opts = dm.flex_kernel_options(torch.device(dev), D, target_stage=True)
     flex = torch.compile(lambda: flex_attention(rows(q), rows(k), rows(v), block_mask=block_mask, enable_gqa=True,
                                                 kernel_options=opts).transpose(1, 2).reshape(T, H, D), dynamic=False)
     ref = flex()
     print(f"== {name}: {n_seqs} sequences, {flops / 1e9:.0f} GFLOP of attention", flush=True)
-    kv_expanded = (k.repeat_interleave(G, dim=1), v.repeat_interleave(G, dim=1))
     kernels = {"flex (the stage's)": flex}
     for count in (n_seqs, 4 * n_seqs):
         cu = cu_seqlens(doc_ids, count)
@@ -84,8 +78,6 @@ for name, doc_ids in [("one document a row", torch.zeros(B, L, dtype=torch.long,
             q, k, v, cu, cu, L, L, 0.0, True, False)[0]
         kernels[f"cudnn varlen, {count} offsets"] = lambda cu=cu: torch.ops.aten._cudnn_attention_forward(
             q, k, v, None, cu, cu, L, L, False, 0.0, True, False)[0]
-        kernels[f"cudnn varlen kv expanded, {count} offsets"] = lambda cu=cu: torch.ops.aten._cudnn_attention_forward(
-            q, *kv_expanded, None, cu, cu, L, L, False, 0.0, True, False)[0]
     if name == "one document a row":
         def cudnn_dense():
             with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
