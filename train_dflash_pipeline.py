@@ -858,6 +858,59 @@ def document_block_mask(doc_ids, sliding_window=None, tile=128):
 TARGET_INPUTS = ("input_ids", "position_ids", "doc_ids")  # what the target stage reads of a batch
 
 
+class GateUpMLP(torch.nn.Module):
+    """A gated MLP, down(act(gate(x)) * up(x)), its gate and up weights stacked in one matrix. In
+    a compiled layer they are one matmul, twice as wide, which runs nearer the peak than the two,
+    inductor splitting its output inside the activation's pass; in eager mode two matmuls on the
+    matrix's halves, as the MLP ran, since eager elementwise work on the split halves is slower
+    (docs/benchmarks.md, forty-sixth session). Built from the target's own MLP, whose weights it
+    takes over."""
+
+    def __init__(self, mlp):
+        super().__init__()
+        gate, up = mlp.gate_proj, mlp.up_proj
+        self.gate_up = torch.nn.Linear(gate.in_features, 2 * gate.out_features, bias=gate.bias is not None,
+                                       device="meta")
+        self.gate_up.weight = torch.nn.Parameter(torch.cat([gate.weight, up.weight]), requires_grad=False)
+        if gate.bias is not None:
+            self.gate_up.bias = torch.nn.Parameter(torch.cat([gate.bias, up.bias]), requires_grad=False)
+        self.down_proj, self.act_fn = mlp.down_proj, mlp.act_fn
+
+    def forward(self, x):
+        w, b = self.gate_up.weight, self.gate_up.bias
+        if torch.compiler.is_compiling():
+            gate, up = torch.nn.functional.linear(x, w, b).chunk(2, dim=-1)
+        else:
+            (wg, wu), (bg, bu) = w.chunk(2), (b.chunk(2) if b is not None else (None, None))
+            gate, up = torch.nn.functional.linear(x, wg, bg), torch.nn.functional.linear(x, wu, bu)
+        return self.down_proj(self.act_fn(gate) * up)
+
+
+def stack_gate_up(model):
+    """Each decoder layer's gated MLP (gate_proj, up_proj, down_proj, act_fn, the forward of
+    Llama, Qwen and Gemma) replaced by a GateUpMLP; it is checked to give the MLP's output on a few
+    random tokens first, and an MLP of any other form is left as it is. Returns how many it stacked."""
+    stacked = 0
+    for layer in dm.decoder_layers(model):
+        mlp = getattr(layer, "mlp", None)
+        if mlp is None or {n for n, _ in mlp.named_children()} != {"gate_proj", "up_proj", "down_proj", "act_fn"}:
+            continue
+        gate, up = mlp.gate_proj, mlp.up_proj
+        if not (type(gate) is type(up) is torch.nn.Linear and gate.weight.shape == up.weight.shape
+                and (gate.bias is None) == (up.bias is None)):
+            continue
+        candidate = GateUpMLP(mlp)
+        w = gate.weight
+        x = torch.randn(4, w.shape[1], device=w.device, generator=torch.Generator(w.device).manual_seed(0)).to(w.dtype)
+        with torch.no_grad():
+            want, got = mlp(x).float(), candidate(x).float()
+        if not torch.allclose(got, want, rtol=0.02, atol=0.02 * want.abs().max().item()):
+            continue
+        layer.mlp = candidate
+        stacked += 1
+    return stacked
+
+
 class TargetReplica:
     """A frozen target on one device. With --compile its fixed-shape forward is captured once
     as a CUDA graph, so the main thread issues a few calls per batch instead of thousands."""
@@ -871,6 +924,7 @@ class TargetReplica:
         self.sliding_window = getattr(tc, "sliding_window", None) if sliding else None
         self.own_attention = model.config._attn_implementation
         self.set_attention(attention)
+        self.stacked_mlps = stack_gate_up(model)
         if compile_layers:
             self.set_compiled_layers(True)
         self.graph, self.static_in, self.static_out = None, None, None
@@ -1039,7 +1093,7 @@ def load_target_replicas(name, devices, layer_ids, log=print, attention="dense",
         replicas.append(TargetReplica(replica.to(dev), layer_ids, dev, attention, compile_layers))
     log(f"target: {type(model).__name__}, {sum(p.numel() for p in model.parameters()) / 1e9:.2f}B parameters; "
         f"running {keep} of {n_layers} layers on {[str(d) for d in devices]} in {dtype}; {attention} attention"
-        + (", layers compiled" if compile_layers else ""))
+        + (", layers compiled" if compile_layers else "") + f"; gate and up stacked in {replicas[0].stacked_mlps} MLPs")
     return replicas, embed, head
 
 

@@ -15,10 +15,10 @@ CHAT_TEMPLATE = (
 )
 
 
-def tiny_target(arch="qwen3", layers=6, hidden=64, vocab=300, dtype=torch.float64, seed=0, init_std=0.02):
+def tiny_target(arch="qwen3", layers=6, hidden=64, vocab=300, dtype=torch.float64, seed=0, init_std=0.02, **config):
     kwargs = dict(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
-                  tie_word_embeddings=False, initializer_range=init_std)
+                  tie_word_embeddings=False, initializer_range=init_std, **config)
     if arch in ("qwen3",):
         kwargs["head_dim"] = hidden // 4
     config = AutoConfig.for_model(arch, **kwargs)

@@ -1,3 +1,4 @@
+import copy
 import json
 import math
 import os
@@ -675,6 +676,60 @@ def test_compiled_target_layers_give_the_same_features(tiny_model_dir):
     batch = {"input_ids": torch.randint(0, 100, (1, 300), generator=g), "doc_ids": doc, "position_ids": pos}
     assert all(getattr(layer, "_compiled_call_impl", None) is not None for layer in dm.decoder_layers(fused.model))
     torch.testing.assert_close(fused.features(batch), plain.features(batch), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("arch,config", [("qwen3", {}), ("llama", {"mlp_bias": True})])
+def test_target_stage_stacks_gate_and_up_into_one_matmul_with_the_transformers_features(arch, config):
+    """The target stage's MLPs (GateUpMLP): compiled, the gate and up projections are one matmul
+    (two in the MLP, down included); eager, the MLP's own output to the bit; the features, eager
+    and with the layers compiled, are the transformers forward's hidden states."""
+    from conftest import tiny_target
+    from torch._inductor.utils import run_and_get_code
+    target = tiny_target(arch=arch, layers=4, dtype=torch.float32, init_std=0.15, **config)
+    replica = tp.TargetReplica(copy.deepcopy(target), [1, 2], torch.device("cpu"), "flex")
+    assert [type(layer.mlp) for layer in dm.decoder_layers(replica.model)] == [tp.GateUpMLP] * 4
+    assert (dm.decoder_layers(replica.model)[0].mlp.gate_up.bias is not None) == bool(config)
+    ids = torch.randint(0, 300, (1, 200), generator=torch.Generator().manual_seed(0))
+    batch = {"input_ids": ids, "doc_ids": torch.zeros(1, 200, dtype=torch.long), "position_ids": torch.arange(200)[None]}
+    hidden = target(ids, output_hidden_states=True).hidden_states
+    expected = torch.cat([hidden[2], hidden[3]], dim=-1)
+    torch.testing.assert_close(replica.features(batch), expected, rtol=1e-5, atol=1e-5)
+
+    x = torch.randn(3, 50, 64, generator=torch.Generator().manual_seed(1))
+    mlp = dm.decoder_layers(replica.model)[1].mlp
+    torch._dynamo.reset()
+    with torch._inductor.config.patch(fx_graph_cache=False):
+        out, (code,) = run_and_get_code(torch.compile(mlp, dynamic=False), x)
+    assert code.count("extern_kernels.mm(") + code.count("extern_kernels.addmm(") == 2
+    with torch.no_grad():
+        torch.testing.assert_close(out, target.model.layers[1].mlp(x), rtol=1e-5, atol=1e-5)
+        assert torch.equal(mlp(x), target.model.layers[1].mlp(x))
+
+    torch._dynamo.reset()
+    replica.set_compiled_layers(True)
+    torch.testing.assert_close(replica.features(batch), expected, rtol=1e-4, atol=1e-4)
+    torch._dynamo.reset()
+
+
+def test_mlps_of_another_form_are_not_stacked():
+    """stack_gate_up leaves alone an MLP whose forward is not down(act(gate(x)) * up(x)), or that
+    has more than those four parts."""
+    from conftest import tiny_target
+
+    class UpGated(torch.nn.Module):  # the gate and up roles swapped
+        def __init__(self, mlp):
+            super().__init__()
+            self.gate_proj, self.up_proj, self.down_proj, self.act_fn = mlp.gate_proj, mlp.up_proj, mlp.down_proj, mlp.act_fn
+
+        def forward(self, x):
+            return self.down_proj(self.act_fn(self.up_proj(x)) * self.gate_proj(x))
+
+    target = tiny_target(layers=3, dtype=torch.float32, init_std=0.15)
+    layers = dm.decoder_layers(target)
+    layers[0].mlp = UpGated(layers[0].mlp)
+    layers[1].mlp.dropout = torch.nn.Dropout(0.0)
+    assert tp.stack_gate_up(target) == 1
+    assert [type(layer.mlp).__name__ for layer in layers] == ["UpGated", "Qwen3MLP", "GateUpMLP"]
 
 
 def test_compiled_target_layers_store_queries_token_major_and_save_the_attention_output_copy(tiny_model_dir,
