@@ -10,7 +10,10 @@ positions, hidden 4096, 32 query / 8 KV heads of 128, intermediate 12288.
   gate/up                 x [32768, 4096] through gate (12288), up (12288)
 
 Prints ms and TFLOP/s per group, separate and fused, and the largest difference of the outputs
-and gradients between the two."""
+and gradients between the two. Then the target stage's forward only (tp.GateUpMLP stacks gate and
+up in compiled layers), at its 4 x 3072 = 12288 tokens, twice, since the card's clock moves:
+
+  q/k/v, gate/up          x [12288, 4096], separate and fused, forward only"""
 import os, sys
 import torch
 import torch.nn.functional as F
@@ -52,5 +55,22 @@ def main():
               flush=True)
 
 
+
+def target_forward():
+    gen = torch.Generator().manual_seed(0)
+    rand = lambda *s: (torch.randn(*s, generator=gen) * 0.02).to("cuda", torch.bfloat16)  # noqa: E731
+    x = rand(T, H)
+    for _ in range(2):
+        for name, outs in {"q/k/v": [HD, KVD, KVD], "gate/up": [I, I]}.items():
+            weights = [rand(o, H) for o in outs]
+            stacked = torch.cat(weights)
+            flops = 2 * T * H * sum(outs)
+            for fused, call in ((False, lambda: [F.linear(x, w) for w in weights]), (True, lambda: F.linear(x, stacked))):
+                t = time_cuda(call, 30, "cuda", warmup=5)
+                print(f"target {name:13s} {'fused' if fused else 'separate':8s}: {t * 1e3:6.3f} ms "
+                      f"({flops / t / 1e12:4.0f} TFLOP/s)", flush=True)
+
+
 if __name__ == "__main__":
     main()
+    target_forward()
