@@ -55,7 +55,6 @@ def main():
               flush=True)
 
 
-
 def target_forward():
     gen = torch.Generator().manual_seed(0)
     rand = lambda *s: (torch.randn(*s, generator=gen) * 0.02).to("cuda", torch.bfloat16)  # noqa: E731
