@@ -869,20 +869,16 @@ class GateUpMLP(torch.nn.Module):
     def __init__(self, mlp):
         super().__init__()
         gate, up = mlp.gate_proj, mlp.up_proj
-        self.gate_up = torch.nn.Linear(gate.in_features, 2 * gate.out_features, bias=gate.bias is not None,
-                                       device="meta")
-        self.gate_up.weight = torch.nn.Parameter(torch.cat([gate.weight, up.weight]), requires_grad=False)
-        if gate.bias is not None:
-            self.gate_up.bias = torch.nn.Parameter(torch.cat([gate.bias, up.bias]), requires_grad=False)
+        self.weight = torch.nn.Parameter(torch.cat([gate.weight, up.weight]), requires_grad=False)
+        self.bias = None if gate.bias is None else torch.nn.Parameter(torch.cat([gate.bias, up.bias]), requires_grad=False)
         self.down_proj, self.act_fn = mlp.down_proj, mlp.act_fn
 
     def forward(self, x):
-        w, b = self.gate_up.weight, self.gate_up.bias
         if torch.compiler.is_compiling():
-            gate, up = torch.nn.functional.linear(x, w, b).chunk(2, dim=-1)
+            gate, up = torch.nn.functional.linear(x, self.weight, self.bias).chunk(2, dim=-1)
         else:
-            (wg, wu), (bg, bu) = w.chunk(2), (b.chunk(2) if b is not None else (None, None))
-            gate, up = torch.nn.functional.linear(x, wg, bg), torch.nn.functional.linear(x, wu, bu)
+            biases = (None, None) if self.bias is None else self.bias.chunk(2)
+            gate, up = (torch.nn.functional.linear(x, w, b) for w, b in zip(self.weight.chunk(2), biases))
         return self.down_proj(self.act_fn(gate) * up)
 
 

@@ -21,6 +21,11 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 from scripts.benchmark import time_cuda
 
 P, T, H, HD, KVD, I = 32768, 12288, 4096, 4096, 1024, 12288
+gen = torch.Generator()  # each experiment seeds it
+
+
+def rand(*shape):
+    return (torch.randn(*shape, generator=gen) * 0.02).to("cuda", torch.bfloat16)
 
 
 def forward_backward(x, weights, grads_out):
@@ -31,8 +36,7 @@ def forward_backward(x, weights, grads_out):
 
 
 def main():
-    gen = torch.Generator().manual_seed(0)
-    rand = lambda *s: (torch.randn(*s, generator=gen) * 0.02).to("cuda", torch.bfloat16)  # noqa: E731
+    gen.manual_seed(0)
     groups = {"q/k/v of the block": (P, [HD, KVD, KVD]), "k/v of the context": (T, [KVD, KVD]),
               "gate/up": (P, [I, I])}
     for name, (rows, outs) in groups.items():
@@ -56,8 +60,7 @@ def main():
 
 
 def target_forward():
-    gen = torch.Generator().manual_seed(0)
-    rand = lambda *s: (torch.randn(*s, generator=gen) * 0.02).to("cuda", torch.bfloat16)  # noqa: E731
+    gen.manual_seed(0)
     x = rand(T, H)
     for _ in range(2):
         for name, outs in {"q/k/v": [HD, KVD, KVD], "gate/up": [I, I]}.items():

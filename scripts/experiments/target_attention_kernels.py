@@ -46,8 +46,8 @@ def packed_doc_ids(seed):
     class Documents:  # make_batch reads only each document's tokens and loss mask
         def doc(self, d):
             return np.zeros(lengths[d], np.int64), np.ones(lengths[d], np.float32)
-    rows = tp.pack_epoch(lengths, L, seed, 0)[:B]
-    return tp.make_batch(Documents(), rows, L)["doc_ids"].to(dev)
+    packed = tp.pack_epoch(lengths, L, seed, 0)[:B]
+    return tp.make_batch(Documents(), packed, L)["doc_ids"].to(dev)
 
 
 def cu_seqlens(doc_ids, count):
