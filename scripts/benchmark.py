@@ -215,16 +215,24 @@ def nvidia_smi_id(device):
     return f"GPU-{torch.cuda.get_device_properties(device).uuid}"
 
 
+def card_text(reading):
+    """', 1419 MHz, 695 W' of a ClockAndPower reading; '' without one."""
+    return f", {reading['sm_mhz']:.0f} MHz, {reading['power_w']:.0f} W" if reading else ""
+
+
+def share_at_clock(mfu, reading):
+    """'; 78.0% of the peak at 1419 MHz': with the card's mean SM clock during a timing, the share
+    of the peak at that clock (a card at its power limit runs slower, the code's share stays); ''
+    without a reading."""
+    return f"; {mfu * PEAK_MHZ / reading['sm_mhz']:.1%} of the peak at {reading['sm_mhz']:.0f} MHz" if "sm_mhz" in reading else ""
+
+
 def drafter_rate_line(mode, timing, tokens, flops, attn_flops):
-    """A drafter timing's tokens/s and MFU; with the card's mean SM clock, also the share of the
-    peak at that clock: a card at its power limit runs slower, the code's share stays."""
+    """A drafter timing's tokens/s and MFU (with the share of the peak at the card's clock)."""
     step_s = timing["step_s"]
     mfu = flops / step_s / PEAK_FLOPS
-    line = (f"  drafter {mode}: {tokens / step_s:,.0f} tokens/s, MFU {mfu:.1%} "
-            f"({(flops + attn_flops) / step_s / PEAK_FLOPS:.1%} counting attention)")
-    if "sm_mhz" in timing:
-        line += f"; {mfu * PEAK_MHZ / timing['sm_mhz']:.1%} of the peak at {timing['sm_mhz']:.0f} MHz"
-    return line
+    return (f"  drafter {mode}: {tokens / step_s:,.0f} tokens/s, MFU {mfu:.1%} "
+            f"({(flops + attn_flops) / step_s / PEAK_FLOPS:.1%} counting attention)" + share_at_clock(mfu, timing))
 
 
 def drafter_worker(a, cfg, device, embed, head, features_dim, compile, rank=0, averager=None):
@@ -258,8 +266,7 @@ def drafter_step_times(a, cfg, device, embed, head, features_dim, report):
                 t = time_cuda(one, a.iters, device)
         reading = card.figures()
         out[mode] = {"step_s": t, "warmup_s": warm, "peak_gb": torch.cuda.max_memory_allocated(device) / 2**30, **reading}
-        card_line = f", {reading['sm_mhz']:.0f} MHz, {reading['power_w']:.0f} W" if reading else ""
-        report(f"drafter {mode:20s}: {t * 1e3:8.1f} ms/step  (warm-up {warm:.0f}s, peak {out[mode]['peak_gb']:.1f} GB{card_line})")
+        report(f"drafter {mode:20s}: {t * 1e3:8.1f} ms/step  (warm-up {warm:.0f}s, peak {out[mode]['peak_gb']:.1f} GB{card_text(reading)})")
 
     graphed = None
     for compile in [m == "compiled" for m in a.step_modes.split(",")]:
@@ -392,7 +399,9 @@ def kernel_differences(before, after, path, report, shown=12):
 
 def target_batch_times(a, replica, report):
     """The target stage eager and graphed, with the dense document mask (transformers' SDPA) and
-    with flex_attention under a document BlockMask; the replica is left in --target-attention."""
+    with flex_attention under a document BlockMask; the replica is left in --target-attention.
+    Returns ({timing: seconds a batch}, the card's clock and power during the timing of the path a
+    run takes: flex, compiled layers, graphed)."""
     batch = synthetic_batch(a, replica.model.config.vocab_size, replica.device)
     out = {}
     for attention in ("dense", "flex"):
@@ -412,16 +421,18 @@ def target_batch_times(a, replica, report):
     replica.set_compiled_layers(True)
     replica.capture(a.rows, a.max_length)
     report(f"target compiled layers: compiled and captured in {time.perf_counter() - t0:.0f}s")
-    t = time_cuda(lambda: replica.features(batch), a.iters, replica.device)
+    gpu_id = nvidia_smi_id(replica.device) if torch.device(replica.device).type == "cuda" else None
+    with ClockAndPower(gpu_id) as card:
+        t = time_cuda(lambda: replica.features(batch), a.iters, replica.device)
     out["flex compiled graph"] = t
-    report(f"target flex compiled graph: {t * 1e3:8.1f} ms/batch")
+    report(f"target flex compiled graph: {t * 1e3:8.1f} ms/batch{card_text(card.figures())}")
     if a.profile:  # the path a run takes (--compile on a GPU): its graph's replays, kernel by kernel
         report(f"target flex compiled graph ({a.profile}.target):")
         profile_kernels(lambda s: replica.features(batch), replica.device, a.profile + ".target", report, call="batch")
     replica.drop_capture()
     replica.set_compiled_layers(False)
     replica.set_attention(a.target_attention)
-    return out
+    return out, card.figures()
 
 
 def drafter_threads_scaling(a, cfg, first, devices, embed, head, features_dim, report, steps):
@@ -752,10 +763,12 @@ def main():
                    f"compiled vs eager {st['eager']['step_s'] / st['compiled']['step_s']:.2f}x")
     if "target" not in skip:
         section("target")
-        tt = target_batch_times(a, replica, report)
-        results["target"] = tt
+        tt, card = target_batch_times(a, replica, report)
+        results["target"], results["target_card"] = tt, card
         for k, t in tt.items():
-            report(f"  target {k}: {tokens / t:,.0f} tokens/s, MFU {t_flops * tokens / t / PEAK_FLOPS:.1%}")
+            mfu = t_flops * tokens / t / PEAK_FLOPS
+            report(f"  target {k}: {tokens / t:,.0f} tokens/s, MFU {mfu:.1%}"
+                   + (share_at_clock(mfu, card) if k == "flex compiled graph" else ""))
     replica.drop_capture()  # its static buffers and pool: the later sections capture their own
     torch.cuda.empty_cache()
     if ({"beside", "scaling"} - skip) and graphed is None:

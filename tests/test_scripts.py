@@ -577,15 +577,58 @@ def test_benchmark_profiles_the_target_stage_as_a_run_takes_it(monkeypatch):
     monkeypatch.setattr(bm, "profile_kernels", lambda step, device, path, report, call: profiled.append((path, call, step(0))))
     a = types.SimpleNamespace(rows=1, max_length=16, iters=2, target_attention="dense", profile=None)
     replica = Replica()
-    bm.target_batch_times(a, replica, lambda line: None)
-    assert profiled == []
+    printed = []
+    out, card = bm.target_batch_times(a, replica, printed.append)
+    assert profiled == [] and card == {}  # a CPU replica: no nvidia-smi reading
+    assert "target flex compiled graph:    100.0 ms/batch" in printed
     a.profile = "/tmp/prof.txt"
     printed = []
-    out = bm.target_batch_times(a, replica, printed.append)
+    out, card = bm.target_batch_times(a, replica, printed.append)
     assert profiled == [("/tmp/prof.txt.target", "batch", ("flex", True, True))]
     assert "target flex compiled graph (/tmp/prof.txt.target):" in printed
     assert sorted(out) == ["eager", "flex compiled graph", "flex eager", "flex graph", "graph"]
     assert (replica.attention, replica.compiled_layers, replica.captured) == ("dense", False, False)
+
+
+def test_benchmark_target_stage_reads_the_clock_while_timing_the_path_a_run_takes(monkeypatch):
+    # On a GPU the flex compiled graph's timing (the path a --compile run takes) is read beside
+    # nvidia-smi's clock and power, as the drafter's are; the other timings are not. A stand-in
+    # card gives a reading only while the replica is in that state.
+    from scripts import benchmark as bm
+    state = {}
+
+    class Replica:
+        device, model = "cuda:0", types.SimpleNamespace(config=types.SimpleNamespace(vocab_size=100))
+        features = set_attention = drop_capture = lambda self, *a: None
+        set_compiled_layers = lambda self, on: state.update(compiled=on)  # noqa: E731
+        capture = lambda self, rows, length: state.update(captured=state.get("compiled"))  # noqa: E731
+
+    class Card:
+        def __init__(self, gpu_id):
+            self.read = state.get("captured") and gpu_id == "GPU-x"
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            pass
+
+        def figures(self):
+            return {"sm_mhz": 1419.0, "power_w": 695.0} if self.read else {}
+
+    monkeypatch.setattr(bm, "time_cuda", lambda fn, n, device: 0.2735)
+    monkeypatch.setattr(bm, "synthetic_batch", lambda *a: {})  # no tensors on a "cuda:0" with no GPU
+    monkeypatch.setattr(bm, "nvidia_smi_id", lambda device: "GPU-x")
+    monkeypatch.setattr(bm, "ClockAndPower", Card)
+    printed = []
+    a = types.SimpleNamespace(rows=1, max_length=16, iters=2, target_attention="flex", profile=None)
+    out, card = bm.target_batch_times(a, Replica(), printed.append)
+    assert card == {"sm_mhz": 1419.0, "power_w": 695.0}
+    assert "target flex compiled graph:    273.5 ms/batch, 1419 MHz, 695 W" in printed
+    assert [line for line in printed if "MHz" in line] == ["target flex compiled graph:    273.5 ms/batch, 1419 MHz, 695 W"]
+    # the rate line's share of the peak at that clock: 59.6% MFU is 76.9% of 1419 MHz's peak
+    assert bm.share_at_clock(0.596, card) == "; 76.9% of the peak at 1419 MHz"
+    assert bm.share_at_clock(0.596, {}) == ""
 
 
 def test_benchmark_reads_clock_and_power_from_nvidia_smi_while_timing(tmp_path, monkeypatch):
