@@ -53,7 +53,8 @@ def compile_whole(replica, rope_eager):
 
 
 def idle_between_kernels(call, replays=3):
-    """(ms busy, ms idle, kernels) a replay, and the idle ms a replay by (kernel before, kernel after)."""
+    """ms busy, ms idle and kernels a replay; the idle ms a replay by (kernel before, kernel after);
+    the profiler's kernels, largest total time first."""
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(replays):
             call()
