@@ -211,7 +211,10 @@ class ClockAndPower:
 
 
 def nvidia_smi_id(device):
-    """nvidia-smi's name for a torch CUDA device: its UUID, so CUDA_VISIBLE_DEVICES cannot mismatch them."""
+    """nvidia-smi's name for a torch CUDA device: its UUID, so CUDA_VISIBLE_DEVICES cannot mismatch
+    them; None for any other device (ClockAndPower then reads nothing)."""
+    if torch.device(device).type != "cuda":
+        return None
     return f"GPU-{torch.cuda.get_device_properties(device).uuid}"
 
 
@@ -247,7 +250,7 @@ def drafter_step_times(a, cfg, device, embed, head, features_dim, report):
     compiled and graphed timings use one worker (compiled once, then captured), which is
     returned for the later sections (None without the compiled mode)."""
     batch = synthetic_batch(a, cfg.vocab_size, device, features_dim=features_dim)
-    gpu_id = nvidia_smi_id(device) if torch.device(device).type == "cuda" else None
+    gpu_id = nvidia_smi_id(device)
     out = {}
 
     def measure(mode, w, prepare):
@@ -421,18 +424,17 @@ def target_batch_times(a, replica, report):
     replica.set_compiled_layers(True)
     replica.capture(a.rows, a.max_length)
     report(f"target compiled layers: compiled and captured in {time.perf_counter() - t0:.0f}s")
-    gpu_id = nvidia_smi_id(replica.device) if torch.device(replica.device).type == "cuda" else None
-    with ClockAndPower(gpu_id) as card:
+    with ClockAndPower(nvidia_smi_id(replica.device)) as card:
         t = time_cuda(lambda: replica.features(batch), a.iters, replica.device)
-    out["flex compiled graph"] = t
-    report(f"target flex compiled graph: {t * 1e3:8.1f} ms/batch{card_text(card.figures())}")
+    out["flex compiled graph"], reading = t, card.figures()
+    report(f"target flex compiled graph: {t * 1e3:8.1f} ms/batch{card_text(reading)}")
     if a.profile:  # the path a run takes (--compile on a GPU): its graph's replays, kernel by kernel
         report(f"target flex compiled graph ({a.profile}.target):")
         profile_kernels(lambda s: replica.features(batch), replica.device, a.profile + ".target", report, call="batch")
     replica.drop_capture()
     replica.set_compiled_layers(False)
     replica.set_attention(a.target_attention)
-    return out, card.figures()
+    return out, reading
 
 
 def drafter_threads_scaling(a, cfg, first, devices, embed, head, features_dim, report, steps):

@@ -15,7 +15,7 @@ between kernels inside a replay (profiler timeline, mean of 3 replays) with its 
 the largest kernels, and the largest difference of the features from the first form's. On an
 H100 (docs/benchmarks.md, forty-seventh session): `layers` the fastest; in a replay the GPU is
 idle about 2 ms of 275."""
-import argparse, os, sys, time
+import argparse, os, sys, time, types
 from collections import Counter
 import torch
 from torch.profiler import ProfilerActivity, profile
@@ -30,18 +30,15 @@ ROWS, LENGTH = bench.PRESET_BATCH["qwen3-8b"]
 
 def compile_whole(replica, rope_eager):
     """The replica's forward through its whole base model compiled once; the captured layers'
-    outputs are collected by hooks registered for good (no new hooks between calls, no recompile)."""
+    outputs are collected by dm.capture_layer_outputs's hooks, registered once for good (new hooks
+    at every call would make dynamo recompile)."""
     model = replica.model
     base = getattr(model, model.base_model_prefix)
     if rope_eager:
         for m in base.modules():
             if "RotaryEmbedding" in type(m).__name__:
                 m.forward = torch.compiler.disable(m.forward)
-    outputs = [None] * len(replica.layer_ids)
-    layers = dm.decoder_layers(model)
-    for slot, i in enumerate(replica.layer_ids):
-        layers[i].register_forward_hook(
-            lambda m, args, out, slot=slot: outputs.__setitem__(slot, out[0] if isinstance(out, tuple) else out))
+    outputs = dm.capture_layer_outputs(model, replica.layer_ids).__enter__()  # never exited
     compiled = torch.compile(base, dynamic=False)
 
     def forward(input_ids, position_ids, doc_ids):
@@ -80,7 +77,7 @@ def main():
     cfg = Qwen3Config(**bench.PRESETS["qwen3-8b"])
     layer_ids = dm.default_target_layer_ids(cfg.num_hidden_layers, 5)
     flops = bench.target_flops_per_token(cfg, max(layer_ids) + 1) * ROWS * LENGTH
-    batch = bench.synthetic_batch(type("Shape", (), dict(rows=ROWS, max_length=LENGTH)), cfg.vocab_size, DEV)
+    batch = bench.synthetic_batch(types.SimpleNamespace(rows=ROWS, max_length=LENGTH), cfg.vocab_size, DEV)
     first = None
     for form in a.forms.split(","):
         torch.manual_seed(0)  # the same weights in every form
