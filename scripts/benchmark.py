@@ -17,6 +17,7 @@ import gc
 import json
 import math
 import os
+import select
 import subprocess
 import sys
 import threading
@@ -175,19 +176,26 @@ def time_cuda(fn, n, device, warmup=0):
 class ClockAndPower:
     """The SM clock and board power nvidia-smi reads every 100 ms while a timing runs: a card at
     its power limit runs the same kernels at a lower clock, so the same step differs from one
-    machine to the next. figures() is {} with no GPU (gpu_id None), no nvidia-smi, or no reading."""
+    machine to the next. Only readings taken after the timing began count: nvidia-smi takes its
+    first as it starts, so entering waits for that one and drops it (a timing under 100 ms may
+    then have none; and on recent cards power.draw is a mean over the last second, so a short
+    timing's power reads low). figures() is {} with no GPU (gpu_id None), no nvidia-smi, or no
+    reading while the timing ran."""
 
     def __init__(self, gpu_id):
         self.gpu_id, self.proc, self.samples = gpu_id, None, []
 
     def __enter__(self):
-        if self.gpu_id is not None:
-            try:
-                self.proc = subprocess.Popen(["nvidia-smi", "--query-gpu=clocks.sm,power.draw", "--format=csv,noheader,nounits",
-                                              "--loop-ms=100", f"--id={self.gpu_id}"],
-                                             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
-            except OSError:  # no nvidia-smi
-                pass
+        if self.gpu_id is None:
+            return self
+        try:
+            self.proc = subprocess.Popen(["nvidia-smi", "--query-gpu=clocks.sm,power.draw", "--format=csv,noheader,nounits",
+                                          "--loop-ms=100", f"--id={self.gpu_id}"],
+                                         stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+        except OSError:  # no nvidia-smi
+            return self
+        if select.select([self.proc.stdout], [], [], 10)[0]:
+            self.proc.stdout.readline()  # the card before the timing
         return self
 
     def __exit__(self, *exc):

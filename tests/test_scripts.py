@@ -632,11 +632,13 @@ def test_benchmark_target_stage_reads_the_clock_while_timing_the_path_a_run_take
 
 
 def test_benchmark_reads_clock_and_power_from_nvidia_smi_while_timing(tmp_path, monkeypatch):
-    # A stand-in nvidia-smi on PATH prints two readings and two unreadable lines, then waits to be
-    # stopped; the means are the readings', the others skipped, the card named by its id.
+    # A stand-in nvidia-smi on PATH takes its first reading as it starts (the card idle, before
+    # the timing), then, a moment later, two readings and two unreadable lines, and waits to be
+    # stopped; the means are the two readings', the first and the others skipped, the card named
+    # by its id.
     from scripts import benchmark as bm
     smi = tmp_path / "nvidia-smi"
-    smi.write_text('#!/bin/bash\necho "$@" > "$(dirname "$0")/args"\n'
+    smi.write_text('#!/bin/bash\necho "$@" > "$(dirname "$0")/args"\necho "1980, 90.0"; sleep 0.3\n'
                    'echo "1700, 690.0"; echo "[N/A], [N/A]"; echo "1800, 700.0"; echo "1750"; exec sleep 60\n')
     smi.chmod(0o755)
     monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
@@ -645,6 +647,10 @@ def test_benchmark_reads_clock_and_power_from_nvidia_smi_while_timing(tmp_path, 
     assert card.samples == [[1700.0, 690.0], [1800.0, 700.0]]
     assert card.figures() == {"sm_mhz": 1750.0, "power_w": 695.0}
     assert "--id=GPU-test" in (tmp_path / "args").read_text().split()
+    smi.write_text('#!/bin/bash\necho "No devices were found" >&2; exit 6\n')  # a failing nvidia-smi: no wait, no reading
+    with bm.ClockAndPower("GPU-test") as failed:
+        pass
+    assert failed.figures() == {}
     with bm.ClockAndPower(None) as none:  # not a GPU: nothing started
         pass
     monkeypatch.setenv("PATH", str(tmp_path / "empty"))
