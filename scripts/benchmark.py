@@ -202,7 +202,8 @@ class ClockAndPower:
         if self.proc is None:
             return
         self.proc.terminate()
-        out, _ = self.proc.communicate(timeout=10)
+        out = self.proc.stdout.read()  # to its end, as nvidia-smi stops: with what the first readline buffered
+        self.proc.wait(timeout=10)
         for line in out.splitlines():
             try:
                 sample = [float(v) for v in line.split(",")]

@@ -647,6 +647,10 @@ def test_benchmark_reads_clock_and_power_from_nvidia_smi_while_timing(tmp_path, 
     assert card.samples == [[1700.0, 690.0], [1800.0, 700.0]]
     assert card.figures() == {"sm_mhz": 1750.0, "power_w": 695.0}
     assert "--id=GPU-test" in (tmp_path / "args").read_text().split()
+    smi.write_text('#!/bin/bash\nprintf "1980, 90.0\\n1700, 690.0\\n"; exec sleep 60\n')  # the second reading at once
+    with bm.ClockAndPower("GPU-test") as quick:
+        time.sleep(0.5)
+    assert quick.samples == [[1700.0, 690.0]]
     smi.write_text('#!/bin/bash\necho "No devices were found" >&2; exit 6\n')  # a failing nvidia-smi: no wait, no reading
     with bm.ClockAndPower("GPU-test") as failed:
         pass
