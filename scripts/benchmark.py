@@ -201,9 +201,9 @@ class ClockAndPower:
     def __exit__(self, *exc):
         if self.proc is None:
             return
-        self.proc.terminate()
-        out = self.proc.stdout.read()  # to its end, as nvidia-smi stops: with what the first readline buffered
-        self.proc.wait(timeout=10)
+        self.proc.kill()  # nothing of nvidia-smi's to clean up; once it is gone, reading its output cannot block
+        self.proc.wait()
+        out = self.proc.stdout.read()  # through the stream the first readline used: with what it buffered
         for line in out.splitlines():
             try:
                 sample = [float(v) for v in line.split(",")]
