@@ -13,6 +13,7 @@ share of the peak at that clock.
 """
 
 import argparse
+import functools
 import gc
 import json
 import math
@@ -173,14 +174,27 @@ def time_cuda(fn, n, device, warmup=0):
     return (time.perf_counter() - t0) / n
 
 
+@functools.cache
+def power_field(gpu_id):
+    """nvidia-smi's field for the board power: power.draw.instant where the card reads it, since on
+    recent cards power.draw is a mean over the last second and reads low for a timing shorter than
+    that; else power.draw. Raises OSError without nvidia-smi."""
+    try:
+        probe = subprocess.run(["nvidia-smi", "--query-gpu=power.draw.instant", "--format=csv,noheader,nounits", f"--id={gpu_id}"],
+                               capture_output=True, text=True, timeout=10)
+        float(probe.stdout)  # an old driver's error message, or "[N/A]", is not a reading
+    except (subprocess.TimeoutExpired, ValueError):
+        return "power.draw"
+    return "power.draw.instant" if probe.returncode == 0 else "power.draw"
+
+
 class ClockAndPower:
     """The SM clock and board power nvidia-smi reads every 100 ms while a timing runs: a card at
     its power limit runs the same kernels at a lower clock, so the same step differs from one
     machine to the next. Only readings taken after the timing began count: nvidia-smi takes its
     first as it starts, so entering waits for that one and drops it (a timing under 100 ms may
-    then have none; and on recent cards power.draw is a mean over the last second, so a short
-    timing's power reads low). figures() is {} with no GPU (gpu_id None), no nvidia-smi, or no
-    reading while the timing ran."""
+    then have none). The power is power_field's. figures() is {} with no GPU (gpu_id None), no
+    nvidia-smi, or no reading while the timing ran."""
 
     def __init__(self, gpu_id):
         self.gpu_id, self.proc, self.samples = gpu_id, None, []
@@ -189,7 +203,8 @@ class ClockAndPower:
         if self.gpu_id is None:
             return self
         try:
-            self.proc = subprocess.Popen(["nvidia-smi", "--query-gpu=clocks.sm,power.draw", "--format=csv,noheader,nounits",
+            query = f"--query-gpu=clocks.sm,{power_field(self.gpu_id)}"
+            self.proc = subprocess.Popen(["nvidia-smi", query, "--format=csv,noheader,nounits",
                                           "--loop-ms=100", f"--id={self.gpu_id}"],
                                          stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
         except OSError:  # no nvidia-smi

@@ -632,13 +632,15 @@ def test_benchmark_target_stage_reads_the_clock_while_timing_the_path_a_run_take
 
 
 def test_benchmark_reads_clock_and_power_from_nvidia_smi_while_timing(tmp_path, monkeypatch):
-    # A stand-in nvidia-smi on PATH takes its first reading as it starts (the card idle, before
-    # the timing), then, a moment later, two readings and two unreadable lines, and waits to be
-    # stopped; the means are the two readings', the first and the others skipped, the card named
-    # by its id.
+    # A stand-in nvidia-smi on PATH answers the probe for power.draw.instant with a reading; its
+    # loop takes its first reading as it starts (the card idle, before the timing), then, a moment
+    # later, two readings and two unreadable lines, and waits to be stopped; the means are the two
+    # readings', the first and the others skipped, the card named by its id.
     from scripts import benchmark as bm
+    bm.power_field.cache_clear()  # each card id below is probed afresh
     smi = tmp_path / "nvidia-smi"
-    smi.write_text('#!/bin/bash\necho "$@" > "$(dirname "$0")/args"\necho "1980, 90.0"; sleep 0.3\n'
+    smi.write_text('#!/bin/bash\necho "$@" >> "$(dirname "$0")/args"\n'
+                   'case "$*" in *--loop-ms*) ;; *) echo "650.0"; exit 0;; esac\necho "1980, 90.0"; sleep 0.3\n'
                    'echo "1700, 690.0"; echo "[N/A], [N/A]"; echo "1800, 700.0"; echo "1750"; exec sleep 60\n')
     smi.chmod(0o755)
     monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
@@ -646,8 +648,19 @@ def test_benchmark_reads_clock_and_power_from_nvidia_smi_while_timing(tmp_path, 
         time.sleep(1)
     assert card.samples == [[1700.0, 690.0], [1800.0, 700.0]]
     assert card.figures() == {"sm_mhz": 1750.0, "power_w": 695.0}
-    assert "--id=GPU-test" in (tmp_path / "args").read_text().split()
-    smi.write_text('#!/bin/bash\nprintf "1980, 90.0\\n1700, 690.0\\n"; exec sleep 60\n')  # the second reading at once
+    loop_args = (tmp_path / "args").read_text().splitlines()[-1].split()
+    assert "--id=GPU-test" in loop_args and "--query-gpu=clocks.sm,power.draw.instant" in loop_args
+    # An older driver has no power.draw.instant (the probe fails; a card may also answer "[N/A]"):
+    # the loop reads power.draw, the one-second mean.
+    for probe_answer in ('echo "Field \\"power.draw.instant\\" is not a valid field to query."; exit 2', 'echo "[N/A]"; exit 0'):
+        smi.write_text('#!/bin/bash\necho "$@" >> "$(dirname "$0")/args"\n'
+                       f'case "$*" in *--loop-ms*) ;; *) {probe_answer};; esac\necho "1980, 90.0"; echo "1700, 690.0"; exec sleep 60\n')
+        with bm.ClockAndPower(f"GPU-old-{len(probe_answer)}") as old:
+            time.sleep(0.3)
+        assert old.samples == [[1700.0, 690.0]]
+        assert "--query-gpu=clocks.sm,power.draw" in (tmp_path / "args").read_text().splitlines()[-1].split()
+    smi.write_text('#!/bin/bash\ncase "$*" in *--loop-ms*) ;; *) exit 2;; esac\n'
+                   'printf "1980, 90.0\\n1700, 690.0\\n"; exec sleep 60\n')  # the second reading at once
     with bm.ClockAndPower("GPU-test") as quick:
         time.sleep(0.5)
     assert quick.samples == [[1700.0, 690.0]]
@@ -658,7 +671,7 @@ def test_benchmark_reads_clock_and_power_from_nvidia_smi_while_timing(tmp_path, 
     with bm.ClockAndPower(None) as none:  # not a GPU: nothing started
         pass
     monkeypatch.setenv("PATH", str(tmp_path / "empty"))
-    with bm.ClockAndPower("GPU-test") as missing:  # no nvidia-smi
+    with bm.ClockAndPower("GPU-missing") as missing:  # no nvidia-smi, neither for the probe nor the loop
         pass
     assert none.figures() == {} and missing.figures() == {}
 
