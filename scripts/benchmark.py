@@ -181,11 +181,11 @@ def power_field(gpu_id):
     that; else power.draw. Raises OSError without nvidia-smi."""
     try:
         probe = subprocess.run(["nvidia-smi", "--query-gpu=power.draw.instant", "--format=csv,noheader,nounits", f"--id={gpu_id}"],
-                               capture_output=True, text=True, timeout=10)
-        float(probe.stdout)  # an old driver's error message, or "[N/A]", is not a reading
-    except (subprocess.TimeoutExpired, ValueError):
+                               capture_output=True, text=True, timeout=10, check=True)
+        float(probe.stdout)  # "[N/A]" is not a reading
+    except (subprocess.CalledProcessError, subprocess.TimeoutExpired, ValueError):
         return "power.draw"
-    return "power.draw.instant" if probe.returncode == 0 else "power.draw"
+    return "power.draw.instant"
 
 
 class ClockAndPower:

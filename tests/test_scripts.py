@@ -652,10 +652,10 @@ def test_benchmark_reads_clock_and_power_from_nvidia_smi_while_timing(tmp_path, 
     assert "--id=GPU-test" in loop_args and "--query-gpu=clocks.sm,power.draw.instant" in loop_args
     # An older driver has no power.draw.instant (the probe fails; a card may also answer "[N/A]"):
     # the loop reads power.draw, the one-second mean.
-    for probe_answer in ('echo "Field \\"power.draw.instant\\" is not a valid field to query."; exit 2', 'echo "[N/A]"; exit 0'):
+    for i, probe_answer in enumerate(('echo "Field \\"power.draw.instant\\" is not a valid field to query."; exit 2', 'echo "[N/A]"; exit 0')):
         smi.write_text('#!/bin/bash\necho "$@" >> "$(dirname "$0")/args"\n'
                        f'case "$*" in *--loop-ms*) ;; *) {probe_answer};; esac\necho "1980, 90.0"; echo "1700, 690.0"; exec sleep 60\n')
-        with bm.ClockAndPower(f"GPU-old-{len(probe_answer)}") as old:
+        with bm.ClockAndPower(f"GPU-old-{i}") as old:
             time.sleep(0.3)
         assert old.samples == [[1700.0, 690.0]]
         assert "--query-gpu=clocks.sm,power.draw" in (tmp_path / "args").read_text().splitlines()[-1].split()
