@@ -174,14 +174,18 @@ def time_cuda(fn, n, device, warmup=0):
     return (time.perf_counter() - t0) / n
 
 
+def nvidia_smi_query(gpu_id, fields, *options):
+    """The nvidia-smi command that reads fields of one card as bare CSV numbers."""
+    return ["nvidia-smi", f"--query-gpu={fields}", "--format=csv,noheader,nounits", f"--id={gpu_id}", *options]
+
+
 @functools.cache
 def power_field(gpu_id):
     """nvidia-smi's field for the board power: power.draw.instant where the card reads it, since on
     recent cards power.draw is a mean over the last second and reads low for a timing shorter than
     that; else power.draw. Raises OSError without nvidia-smi."""
     try:
-        probe = subprocess.run(["nvidia-smi", "--query-gpu=power.draw.instant", "--format=csv,noheader,nounits", f"--id={gpu_id}"],
-                               capture_output=True, text=True, timeout=10, check=True)
+        probe = subprocess.run(nvidia_smi_query(gpu_id, "power.draw.instant"), capture_output=True, text=True, timeout=10, check=True)
         float(probe.stdout)  # "[N/A]" is not a reading
     except (subprocess.CalledProcessError, subprocess.TimeoutExpired, ValueError):
         return "power.draw"
@@ -203,9 +207,7 @@ class ClockAndPower:
         if self.gpu_id is None:
             return self
         try:
-            query = f"--query-gpu=clocks.sm,{power_field(self.gpu_id)}"
-            self.proc = subprocess.Popen(["nvidia-smi", query, "--format=csv,noheader,nounits",
-                                          "--loop-ms=100", f"--id={self.gpu_id}"],
+            self.proc = subprocess.Popen(nvidia_smi_query(self.gpu_id, f"clocks.sm,{power_field(self.gpu_id)}", "--loop-ms=100"),
                                          stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
         except OSError:  # no nvidia-smi
             return self
