@@ -207,8 +207,8 @@ class ClockAndPower:
         if self.gpu_id is None:
             return self
         try:
-            self.proc = subprocess.Popen(nvidia_smi_query(self.gpu_id, f"clocks.sm,{power_field(self.gpu_id)}", "--loop-ms=100"),
-                                         stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+            query = nvidia_smi_query(self.gpu_id, f"clocks.sm,{power_field(self.gpu_id)}", "--loop-ms=100")
+            self.proc = subprocess.Popen(query, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
         except OSError:  # no nvidia-smi
             return self
         if select.select([self.proc.stdout], [], [], 10)[0]:
