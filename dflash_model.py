@@ -16,6 +16,7 @@ import functools
 import inspect
 import itertools
 import json
+import math
 import os
 
 import numpy as np
@@ -381,6 +382,16 @@ def flex_kernel_options(device, head_dim, target_stage=False):
     target_stage the target's forward; None (inductor's defaults) where none was measured."""
     options, head_dims = (SM90_FLEX_TARGET, (128,)) if target_stage else (SM90_FLEX_BACKWARD, (64, 128))
     return options if head_dim in head_dims and hopper(device) else None
+
+
+def flex_mask_tile(kernel_options):
+    """The tile of a BlockMask for flex_attention run with kernel_options: the smallest a whole
+    number of the kernel's query and key tiles fill (flex needs that), since a partly visible tile
+    is computed whole and then masked: at the causal diagonal and a document's edges a smaller tile
+    computes fewer pairs that no query sees. 128 (flex's default) under inductor's own tiles."""
+    if not kernel_options or "BLOCK_M" not in kernel_options:
+        return 128
+    return math.lcm(kernel_options["BLOCK_M"], kernel_options["BLOCK_N"])
 
 
 def flex_attend(anchors, doc_ids, block_size):

@@ -918,6 +918,10 @@ class TargetReplica:
         # Targets with sliding-window layers (Gemma 3) take one mask per layer type.
         sliding = "sliding_attention" in (getattr(tc, "layer_types", None) or [])
         self.sliding_window = getattr(tc, "sliding_window", None) if sliding else None
+        # flex's BlockMask in tiles of its kernel's for the card: fewer masked pairs computed
+        # (docs/benchmarks.md, fifty-second session)
+        options = dm.flex_kernel_options(torch.device(device), dm.attention_shape(tc)[2], target_stage=True)
+        self.mask_tile = dm.flex_mask_tile(options)
         self.own_attention = model.config._attn_implementation
         self.set_attention(attention)
         self.stacked_mlps = stack_gate_up(model)
@@ -944,7 +948,7 @@ class TargetReplica:
 
     def mask(self, doc_ids, sliding_window=None):
         if self.attention == "flex":
-            return document_block_mask(doc_ids, sliding_window)
+            return document_block_mask(doc_ids, sliding_window, self.mask_tile)
         return document_causal_mask(doc_ids, self.dtype, sliding_window)
 
     def forward(self, input_ids, position_ids, doc_ids):

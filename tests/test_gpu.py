@@ -468,13 +468,17 @@ def test_flex_decoding_graphed_equals_eager_and_grouped_up_to_ties():
             assert tp.near_tie(target, p, t, f, first)[0], (first, f, t)
 
 
-def test_flex_target_stage_equals_dense_graphed_and_eager():
+@pytest.mark.parametrize("head_dim", [16, 128])
+def test_flex_target_stage_equals_dense_graphed_and_eager(head_dim):
     """The target stage's flex path (document BlockMask) on CUDA, eager and replayed as a CUDA
-    graph with new documents in the static buffers, gives the dense path's features (bf16)."""
+    graph with new documents in the static buffers, gives the dense path's features (bf16); at
+    head_dim 128 on Hopper in the stage's own kernel tiles and BlockMask tiles of 64."""
     from conftest import tiny_target
-    model = tiny_target(arch="llama", dtype=torch.bfloat16, init_std=0.15, layers=4).to("cuda").requires_grad_(False)
+    model = tiny_target(arch="llama", dtype=torch.bfloat16, init_std=0.15, layers=4,
+                        head_dim=head_dim).to("cuda").requires_grad_(False)
     dense = tp.TargetReplica(model, [1, 2], torch.device("cuda:0"), "dense")
     flex = tp.TargetReplica(model, [1, 2], torch.device("cuda:0"), "flex")
+    assert flex.mask_tile == (64 if head_dim == 128 and dm.hopper(torch.device("cuda:0")) else 128)
     g = torch.Generator().manual_seed(0)
 
     def batch(seed):

@@ -186,14 +186,15 @@ def test_packing_deterministic_and_complete():
     assert all(sum(lengths[d] for d in r) <= 32 for r in a)
 
 
+@pytest.mark.parametrize("tile", [128, 64])
 @pytest.mark.parametrize("window", [None, 200])
-def test_document_block_mask_tiles_equal_the_rule_counted_pair_by_pair(window):
+def test_document_block_mask_tiles_equal_the_rule_counted_pair_by_pair(window, tile):
     """The target's BlockMask classifies tiles from their first and last documents and positions;
     counted pair by pair (document_visible at every query and key) the full tiles are the same,
     and so are the partial ones without a window (with one, they may be more: the rule inside the
     kernel still decides)."""
     g = torch.Generator().manual_seed(0)
-    L, tile = 700, 128
+    L = 700
     rows = []
     for r in range(6):
         cuts = sorted(torch.randint(1, L, (r + 1,), generator=g).tolist())
@@ -229,12 +230,16 @@ def test_document_block_mask_tiles_equal_the_rule_counted_pair_by_pair(window):
         assert (some_ref <= some).all()
 
 
-@pytest.mark.parametrize("attention,lengths", [("dense", (7, 12, 5)), ("flex", (7, 12, 5)), ("flex", (140, 260, 3))])
-def test_packed_documents_do_not_see_each_other(tiny_model_dir, attention, lengths):
-    """The target stage gives a document the same features packed with others as alone."""
+@pytest.mark.parametrize("attention,lengths,mask_tile", [("dense", (7, 12, 5), None), ("flex", (7, 12, 5), None),
+                                                         ("flex", (140, 260, 3), None), ("flex", (140, 260, 3), 64)])
+def test_packed_documents_do_not_see_each_other(tiny_model_dir, attention, lengths, mask_tile):
+    """The target stage gives a document the same features packed with others as alone (flex:
+    in the BlockMask's tiles for the CPU, 128, and in Hopper's, 64)."""
     replicas, _, _ = tp.load_target_replicas(tiny_model_dir, [torch.device("cpu")], [1, 3], log=lambda *a: None,
                                              attention=attention)
     rep = replicas[0]
+    if mask_tile:
+        rep.mask_tile = mask_tile
     g = torch.Generator().manual_seed(0)
     docs = [torch.randint(0, 100, (n,), generator=g) for n in lengths]
     ids = torch.cat(docs + [torch.zeros(4, dtype=torch.long)])[None]
@@ -248,6 +253,20 @@ def test_packed_documents_do_not_see_each_other(tiny_model_dir, attention, lengt
         torch.testing.assert_close(packed[0, at:at + len(d)], alone[0], rtol=1e-4, atol=1e-4)
         at += len(d)
     assert torch.isfinite(packed).all()
+
+
+def test_target_stage_block_mask_takes_the_flex_kernel_tiles_for_the_card(monkeypatch):
+    """On Hopper at head_dim 128 the stage's flex kernel runs 64 x 64 tiles (dm.SM90_FLEX_TARGET)
+    and its document BlockMask comes in tiles of 64; elsewhere flex's default, 128."""
+    from conftest import tiny_target
+    doc_ids = torch.zeros(2, 300, dtype=torch.long)
+    for hopper, hidden, tile in ((True, 512, 64), (True, 256, 128), (False, 512, 128)):
+        monkeypatch.setattr(dm, "hopper", lambda device, on=hopper: on)
+        model = tiny_target(hidden=hidden, layers=2)  # qwen3: head_dim hidden / 4
+        replica = tp.TargetReplica(model, [1], torch.device("cpu"), "flex")
+        assert replica.mask_tile == tile and replica.mask(doc_ids).BLOCK_SIZE == (tile, tile), (hopper, hidden)
+    assert dm.flex_mask_tile(None) == dm.flex_mask_tile({"USE_TMA": True}) == 128
+    assert dm.flex_mask_tile({"BLOCK_M": 128, "BLOCK_N": 64}) == 128 and dm.flex_mask_tile(dm.SM90_FLEX_TARGET) == 64
 
 
 def test_eval_interval_logs_measured_acceptance_next_to_tau_hat(tmp_path, tiny_model_dir):

@@ -7,7 +7,12 @@ under the document block mask) in three compiled forms:
   whole-rope-eager   the same with the rotary embedding left eager: cos and sin are inputs of the
                      graph (in `whole` inductor recomputes them inside the attention kernels)
 
-    python scripts/experiments/target_compile_forms.py [--forms layers,whole,whole-rope-eager]
+A form's name may add, after "+": cd, compiled with inductor's coordinate descent tuning (it
+times each generated pointwise and reduction kernel's block sizes and warps: the stage's norms,
+residual adds and SiLU-times-up); tile128 or tile64, the document BlockMask in tiles of that size
+instead of the stage's own (replica.mask_tile: 64 on Hopper, the flex kernel's tiles).
+
+    python scripts/experiments/target_compile_forms.py [--forms layers,whole,whole-rope-eager,layers+cd,layers+tile128]
 
 Per form: compile-and-capture time, eight replays timed one by one after the capture (the card's
 clock moves under its power limit), the mean of 20 replays after 2 and its MFU, the idle time
@@ -18,6 +23,7 @@ idle about 2 ms of 275."""
 import argparse, os, sys, time, types
 from collections import Counter
 import torch
+import torch._inductor.config  # noqa: F401  (torch._inductor.config.patch below)
 from torch.profiler import ProfilerActivity, profile
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 import dflash_model as dm  # noqa: E402
@@ -83,11 +89,17 @@ def main():
         torch.manual_seed(0)  # the same weights in every form
         replica = bench.build_target(cfg, DEV, layer_ids, "flex")
         t0 = time.perf_counter()
-        if form == "layers":
+        shape, *changes = form.split("+")
+        for change in changes:
+            if change.startswith("tile"):
+                replica.mask_tile = int(change[4:])
+        if shape == "layers":
             replica.set_compiled_layers(True)
         else:
-            compile_whole(replica, rope_eager=form == "whole-rope-eager")
-        replica.capture(ROWS, LENGTH)
+            compile_whole(replica, rope_eager=shape == "whole-rope-eager")
+        with torch._inductor.config.patch(coordinate_descent_tuning="cd" in changes):  # read as it compiles: at the capture's first forwards
+            replica.capture(ROWS, LENGTH)
+        print(f"== {form}: mask tile {replica.mask_tile}")
         print(f"== {form}: compiled and captured in {time.perf_counter() - t0:.0f} s", flush=True)
         call = lambda: replica.features(batch)  # noqa: E731
         features = call()[:, :512].float().clone()
