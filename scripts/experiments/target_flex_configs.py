@@ -1,6 +1,7 @@
 """The target stage's flex attention forward alone, per kernel_options config, at the benchmark's
 Qwen3-8B shapes: 4 rows x 3072 tokens, 32 query / 8 KV heads of 128, one document a row, under
-the stage's own block mask (train_dflash_pipeline.document_block_mask), the queries token-major
+the stage's own block mask (train_dflash_pipeline.document_block_mask, in tiles of each config's own:
+dm.flex_mask_tile, as the stage builds it since the fifty-second session), the queries token-major
 as the stage stores them (dm.token_major; head-major in the forty-fourth session's run). First
 inductor's default for the card (None; on an H100/H200 in bf16 at head dim 128: BLOCK_M 128,
 BLOCK_N 64, 3 stages, 8 warps), then the stage's own on Hopper (dm.SM90_FLEX_TARGET), then others.
@@ -9,7 +10,8 @@ BLOCK_N 64, 3 stages, 8 warps), then the stage's own on Hopper (dm.SM90_FLEX_TAR
 
 Prints ms, TFLOP/s over the causal (query, key) pairs and the largest difference from the first
 config's output (the default's), one line per config; the last line is the fastest config as
-JSON (null: the default). Measured on an H200 (forty-fourth session) and an H100 (forty-fifth):
+JSON (null: the default). Measured on an H200 (forty-fourth session) and an H100 (forty-fifth), both
+with the mask in tiles of 128:
 docs/benchmarks.md."""
 import json, os, sys
 import torch
@@ -26,7 +28,7 @@ gen = torch.Generator(dev).manual_seed(0)
 q = torch.randn(B, L, H, D, device=dev, dtype=torch.bfloat16, generator=gen).transpose(1, 2)  # token-major, as the stage's
 k = torch.randn(B, KV, L, D, device=dev, dtype=torch.bfloat16, generator=gen)
 v = torch.randn(B, KV, L, D, device=dev, dtype=torch.bfloat16, generator=gen)
-block_mask = tp.document_block_mask(torch.zeros(B, L, dtype=torch.long, device=dev))
+doc_ids = torch.zeros(B, L, dtype=torch.long, device=dev)
 flops = 4 * B * H * D * L * (L + 1) / 2
 configs = [None, dm.SM90_FLEX_TARGET,
            dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=2),
@@ -43,8 +45,9 @@ configs = [None, dm.SM90_FLEX_TARGET,
 
 first_out, fastest = None, (float("inf"), None)
 for cfg in configs:
-    attn = torch.compile(lambda cfg=cfg: flex_attention(q, k, v, block_mask=block_mask, enable_gqa=True,
-                                                        kernel_options=cfg), dynamic=False)
+    block_mask = tp.document_block_mask(doc_ids, tile=dm.flex_mask_tile(cfg))
+    attn = torch.compile(lambda cfg=cfg, block_mask=block_mask: flex_attention(q, k, v, block_mask=block_mask, enable_gqa=True,
+                                                                               kernel_options=cfg), dynamic=False)
     try:
         compile_s = time_cuda(attn, 1, dev)  # the first call compiles
         t = time_cuda(attn, 20, dev, warmup=3)
