@@ -1,8 +1,9 @@
 """The target stage's document-causal attention forward by kernel, at the benchmark's Qwen3-8B
 shapes (4 rows x 3072 tokens, 32 query / 8 KV heads of 128): flex_attention under the stage's
-block mask with its tiles (dm.SM90_FLEX_TARGET on Hopper), against the varlen kernels PyTorch
-ships (FlashAttention 2 and cuDNN through cumulative sequence offsets, each document one
-sequence), eager and replayed as a CUDA graph. Two packings: one document a row (the benchmark's)
+block mask with its tiles (dm.SM90_FLEX_TARGET on Hopper; the mask in the same tiles,
+dm.flex_mask_tile, since the fifty-second session: the forty-fifth's figures used 128), against
+the varlen kernels PyTorch ships (FlashAttention 2 and cuDNN through cumulative sequence offsets,
+each document one sequence), eager and replayed as a CUDA graph. Two packings: one document a row (the benchmark's)
 and several documents a row as the pipeline packs them (tp.pack_epoch); the offsets are padded to
 a fixed count with empty sequences, as a fixed-shape graph needs.
 
@@ -62,11 +63,11 @@ def cu_seqlens(doc_ids, count):
 
 for name, doc_ids in [("one document a row", torch.zeros(B, L, dtype=torch.long, device=dev)),
                       ("packed, padded", packed_doc_ids(0))]:
-    block_mask = tp.document_block_mask(doc_ids)
+    opts = dm.flex_kernel_options(torch.device(dev), D, target_stage=True)
+    block_mask = tp.document_block_mask(doc_ids, tile=dm.flex_mask_tile(opts))  # the stage's tiles since the 52nd session
     lengths = cu_seqlens(doc_ids, T).diff().double()  # every run's length, then empty ones
     n_seqs = int(lengths.gt(0).sum())
     flops = 4 * H * D * float((lengths * (lengths + 1) / 2).sum())  # the visible (query, key) pairs
-    opts = dm.flex_kernel_options(torch.device(dev), D, target_stage=True)
     flex = torch.compile(lambda: flex_attention(rows(q), rows(k), rows(v), block_mask=block_mask, enable_gqa=True,
                                                 kernel_options=opts).transpose(1, 2).reshape(T, H, D), dynamic=False)
     ref = flex()
