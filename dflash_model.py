@@ -388,10 +388,10 @@ def flex_mask_tile(kernel_options):
     """The tile of a BlockMask for flex_attention run with kernel_options: the smallest a whole
     number of the kernel's query and key tiles fill (flex needs that), since a partly visible tile
     is computed whole and then masked: at the causal diagonal and a document's edges a smaller tile
-    computes fewer pairs that no query sees. 128 (flex's default) under inductor's own tiles."""
-    if not kernel_options or "BLOCK_M" not in kernel_options:
-        return 128
-    return math.lcm(kernel_options["BLOCK_M"], kernel_options["BLOCK_N"])
+    computes fewer pairs that no query sees. 128 (flex's default) for a tile inductor chooses: a
+    multiple of any it takes."""
+    options = kernel_options or {}
+    return math.lcm(options.get("BLOCK_M", 128), options.get("BLOCK_N", 128))
 
 
 def flex_attend(anchors, doc_ids, block_size):

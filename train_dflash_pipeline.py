@@ -918,7 +918,7 @@ class TargetReplica:
         # Targets with sliding-window layers (Gemma 3) take one mask per layer type.
         sliding = "sliding_attention" in (getattr(tc, "layer_types", None) or [])
         self.sliding_window = getattr(tc, "sliding_window", None) if sliding else None
-        # flex's BlockMask in tiles of its kernel's for the card: fewer masked pairs computed
+        # The flex BlockMask in the tiles of the kernel that reads it: fewer masked pairs computed
         # (docs/benchmarks.md, fifty-second session)
         options = dm.flex_kernel_options(torch.device(device), dm.attention_shape(tc)[2], target_stage=True)
         self.mask_tile = dm.flex_mask_tile(options)

@@ -3,9 +3,9 @@ shapes (4 rows x 3072 tokens, 32 query / 8 KV heads of 128): flex_attention unde
 block mask with its tiles (dm.SM90_FLEX_TARGET on Hopper; the mask in the same tiles,
 dm.flex_mask_tile, since the fifty-second session: the forty-fifth's figures used 128), against
 the varlen kernels PyTorch ships (FlashAttention 2 and cuDNN through cumulative sequence offsets,
-each document one sequence), eager and replayed as a CUDA graph. Two packings: one document a row (the benchmark's)
-and several documents a row as the pipeline packs them (tp.pack_epoch); the offsets are padded to
-a fixed count with empty sequences, as a fixed-shape graph needs.
+each document one sequence), eager and replayed as a CUDA graph. Two packings: one document a
+row (the benchmark's) and several documents a row as the pipeline packs them (tp.pack_epoch); the
+offsets are padded to a fixed count with empty sequences, as a fixed-shape graph needs.
 
     python scripts/experiments/target_attention_kernels.py
 

@@ -93,6 +93,8 @@ def main():
         for change in changes:
             if change.startswith("tile"):
                 replica.mask_tile = int(change[4:])
+            elif change != "cd":  # a form measured under a name it did not run
+                raise SystemExit(f"unknown change {change!r} in form {form!r}: cd, tile64 or tile128")
         if shape == "layers":
             replica.set_compiled_layers(True)
         else:

@@ -46,8 +46,8 @@ configs = [None, dm.SM90_FLEX_TARGET,
 first_out, fastest = None, (float("inf"), None)
 for cfg in configs:
     block_mask = tp.document_block_mask(doc_ids, tile=dm.flex_mask_tile(cfg))
-    attn = torch.compile(lambda cfg=cfg, block_mask=block_mask: flex_attention(q, k, v, block_mask=block_mask, enable_gqa=True,
-                                                                               kernel_options=cfg), dynamic=False)
+    attn = torch.compile(lambda cfg=cfg, block_mask=block_mask: flex_attention(
+        q, k, v, block_mask=block_mask, enable_gqa=True, kernel_options=cfg), dynamic=False)
     try:
         compile_s = time_cuda(attn, 1, dev)  # the first call compiles
         t = time_cuda(attn, 20, dev, warmup=3)
