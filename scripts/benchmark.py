@@ -28,6 +28,8 @@ import types
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import decoding  # noqa: E402
+import target_model  # noqa: E402
 import dflash_model as dm  # noqa: E402
 import train_dflash_pipeline as tp  # noqa: E402
 
@@ -51,7 +53,7 @@ PRESET_BATCH = {"qwen3-8b": (4, 3072), "small": (1, 3072), "smollm2-135m": (8, 2
 
 
 # -----------------------------------------------------------------------------
-# FLOP formulas (matmuls only; attention scores excluded, as in the brief's figures)
+# FLOP formulas (matmuls only; attention scores excluded, as MFU is quoted in docs/benchmarks.md)
 
 def layer_param_groups(c):
     """(q/k/v projection params, o_proj + MLP params) of one decoder layer."""
@@ -94,7 +96,7 @@ def attention_pairs(anchors, doc_ids, block):
 def drafter_attention_flops_per_step(dcfg, batch, anchors, block, draws=8):
     """Attention FLOPs a step on the pairs the mask lets through (not the tiles flex_attention
     computes): Q K^T and P V, forward and twice that backward, averaged over a few anchor draws
-    of the batch. Reported beside the brief's MFU, which excludes attention, never inside it."""
+    of the batch. Reported beside the MFU, which excludes attention, never inside it."""
     doc, mask = batch["doc_ids"].cpu(), batch["loss_mask"].cpu()
     g = torch.Generator().manual_seed(0)
     pairs = 0.0
@@ -113,14 +115,12 @@ FORMULA = ("target: 2 * linear_params_per_layer * layers_run per token; drafter 
 # -----------------------------------------------------------------------------
 # Building blocks at the benchmark's shapes
 
-def make_args(a, compile):
+def make_settings(a, compile):
     argv = ["--max-length", str(a.max_length), "--token-budget", str(a.rows * a.max_length),
             "--num-anchors", str(a.anchors), "--block-size", str(a.block), "--num-draft-layers", str(a.draft_layers),
             "--ce-chunk-size", str(a.ce_chunk), "--log-interval", str(a.log_interval), "--save-interval", "1000000",
             "--output-dir", a.output_dir, "--eval-prompts", "0", "--queue-depth", "2"]
-    args = tp.build_parser().parse_args(argv + (["--compile"] if compile else []))
-    args.attention = a.drafter_attention
-    return args
+    return tp.Settings.of_flags(argv + (["--compile"] if compile else []), drafter_attention=a.drafter_attention)
 
 
 def build_target(cfg, device, layer_ids, attention="dense"):
@@ -141,12 +141,12 @@ def build_drafter(cfg, a, device, embed, head):
     return d
 
 
-def fake_run(args, features_dim):
+def fake_run(args, target_hidden_size):
     """What a DrafterWorker reads from its Run when driven directly, without the pipeline."""
-    return types.SimpleNamespace(lr_for_step=lambda s: args.lr, features_dim=features_dim, log=print)
+    return types.SimpleNamespace(lr_for_step=lambda s: args.lr, target_hidden_size=target_hidden_size, log=print)
 
 
-def synthetic_batch(a, vocab, device, seed=0, features_dim=None):
+def synthetic_batch(a, vocab, device, seed=0, target_hidden_size=None):
     g = torch.Generator().manual_seed(seed)
     R, L = a.rows, a.max_length
     doc = torch.zeros(R, L, dtype=torch.long)
@@ -157,8 +157,8 @@ def synthetic_batch(a, vocab, device, seed=0, features_dim=None):
             doc[r, s:e], pos[r, s:e] = i, torch.arange(e - s)
     b = {"input_ids": torch.randint(0, vocab - 2, (R, L), generator=g), "loss_mask": torch.ones(R, L),
          "doc_ids": doc, "position_ids": pos}
-    if features_dim:
-        b["features"] = torch.randn(R, L, features_dim, generator=g).to(torch.bfloat16)
+    if target_hidden_size:
+        b["target_hidden"] = torch.randn(R, L, target_hidden_size, generator=g).to(torch.bfloat16)
     return {k: v.to(device) for k, v in b.items()}
 
 
@@ -185,7 +185,8 @@ def power_field(gpu_id):
     recent cards power.draw is a mean over the last second and reads low for a timing shorter than
     that; else power.draw. Raises OSError without nvidia-smi."""
     try:
-        probe = subprocess.run(nvidia_smi_query(gpu_id, "power.draw.instant"), capture_output=True, text=True, timeout=10, check=True)
+        probe = subprocess.run(nvidia_smi_query(gpu_id, "power.draw.instant"), capture_output=True, text=True,
+                               timeout=10, check=True)
         float(probe.stdout)  # "[N/A]" is not a reading
     except (subprocess.CalledProcessError, subprocess.TimeoutExpired, ValueError):
         return "power.draw"
@@ -253,7 +254,9 @@ def share_at_clock(mfu, reading):
     """'; 78.0% of the peak at 1419 MHz': with the card's mean SM clock during a timing, the share
     of the peak at that clock (a card at its power limit runs slower, the code's share stays); ''
     without a reading."""
-    return f"; {mfu * PEAK_MHZ / reading['sm_mhz']:.1%} of the peak at {reading['sm_mhz']:.0f} MHz" if "sm_mhz" in reading else ""
+    if "sm_mhz" not in reading:
+        return ""
+    return f"; {mfu * PEAK_MHZ / reading['sm_mhz']:.1%} of the peak at {reading['sm_mhz']:.0f} MHz"
 
 
 def drafter_rate_line(mode, timing, tokens, flops, attn_flops):
@@ -264,18 +267,18 @@ def drafter_rate_line(mode, timing, tokens, flops, attn_flops):
             f"({(flops + attn_flops) / step_s / PEAK_FLOPS:.1%} counting attention)" + share_at_clock(mfu, timing))
 
 
-def drafter_worker(a, cfg, device, embed, head, features_dim, compile, rank=0, averager=None):
-    args = make_args(a, compile=compile)
+def drafter_worker(a, cfg, device, embed, head, target_hidden_size, compile, rank=0, averager=None):
+    args = make_settings(a, compile=compile)
     d = build_drafter(cfg, a, device, embed, head)
     return tp.DrafterWorker(rank, torch.device(device), d, args, averager or tp.GradAverager(1),
-                            fake_run(args, features_dim))
+                            fake_run(args, target_hidden_size))
 
 
-def drafter_step_times(a, cfg, device, embed, head, features_dim, report):
+def drafter_step_times(a, cfg, device, embed, head, target_hidden_size, report):
     """Eager, compiled (no graph) and compiled+graph drafter step times on one device; the
     compiled and graphed timings use one worker (compiled once, then captured), which is
     returned for the later sections (None without the compiled mode)."""
-    batch = synthetic_batch(a, cfg.vocab_size, device, features_dim=features_dim)
+    batch = synthetic_batch(a, cfg.vocab_size, device, target_hidden_size=target_hidden_size)
     gpu_id = nvidia_smi_id(device)
     out = {}
 
@@ -294,12 +297,14 @@ def drafter_step_times(a, cfg, device, embed, head, features_dim, report):
             with ClockAndPower(gpu_id) as card:
                 t = time_cuda(one, a.iters, device)
         reading = card.figures()
-        out[mode] = {"step_s": t, "warmup_s": warm, "peak_gb": torch.cuda.max_memory_allocated(device) / 2**30, **reading}
-        report(f"drafter {mode:20s}: {t * 1e3:8.1f} ms/step  (warm-up {warm:.0f}s, peak {out[mode]['peak_gb']:.1f} GB{card_text(reading)})")
+        peak_gb = torch.cuda.max_memory_allocated(device) / 2**30
+        out[mode] = {"step_s": t, "warmup_s": warm, "peak_gb": peak_gb, **reading}
+        report(f"drafter {mode:20s}: {t * 1e3:8.1f} ms/step  (warm-up {warm:.0f}s, peak {peak_gb:.1f} GB"
+               f"{card_text(reading)})")
 
     graphed = None
     for compile in [m == "compiled" for m in a.step_modes.split(",")]:
-        w = drafter_worker(a, cfg, device, embed, head, features_dim, compile)
+        w = drafter_worker(a, cfg, device, embed, head, target_hidden_size, compile)
 
         def warm_steps():  # the first compiles: its time is the compile cost
             for s in range(3):
@@ -312,7 +317,7 @@ def drafter_step_times(a, cfg, device, embed, head, features_dim, report):
             with torch.cuda.stream(w.stream):
                 kernels = profile_kernels(lambda s: w.train_step(1000 + s, batch), device, a.profile, report)
         if compile:
-            measure("graph", w, lambda: w.capture(a.rows, features_dim))
+            measure("graph", w, lambda: w.capture(a.rows, target_hidden_size))
             graphed = w
             # the compiled step again, after the graph (the GPU as warm as for the graph's timing):
             # so the order of the two does not decide which looks faster
@@ -375,7 +380,8 @@ def profile_kernels(step, device, path, report, steps=3, call="step"):
         c = kernel_category(e.key)
         by_cat[c] = by_cat.get(c, 0) + time_of(e)
     lines = [f"GPU kernel time per {call}: {total / steps / 1e3:.1f} ms (mean of {steps})"]
-    lines += [f"  {c:36s} {t / steps / 1e3:8.1f} ms  {t / total:6.1%}" for c, t in sorted(by_cat.items(), key=lambda x: -x[1])]
+    lines += [f"  {c:36s} {t / steps / 1e3:8.1f} ms  {t / total:6.1%}"
+              for c, t in sorted(by_cat.items(), key=lambda x: -x[1])]
     lines.append(f"largest kernels (ms per {call}, calls per {call}, name):")
     for e in sorted(kernels, key=time_of, reverse=True)[:40]:
         lines.append(f"  {time_of(e) / steps / 1e3:8.2f} {e.count // steps:5d}  {e.key[:150]}")
@@ -403,7 +409,8 @@ def matmul_shapes(prof, steps, path):
         return
     lines = ["matmuls by operand shapes (ms a step, calls a step, TFLOP/s, op, shapes, kernels):"]
     for (op, shapes, kernels), (t, n, flop) in sorted(rows.items(), key=lambda r: -r[1][0]):
-        lines.append(f"  {t / steps / 1e3:8.2f} {n / steps:5.1f} {flop / (t * 1e-6) / 1e12:6.0f}  {op} {shapes} {kernels}")
+        tflops = flop / (t * 1e-6) / 1e12
+        lines.append(f"  {t / steps / 1e3:8.2f} {n / steps:5.1f} {tflops:6.0f}  {op} {shapes} {kernels}")
     lines.append(f"  {sum(t for t, _, _ in rows.values()) / steps / 1e3:8.2f} ms a step in all")
     with open(path, "w") as f:
         f.write("\n".join(lines) + "\n")
@@ -437,11 +444,11 @@ def target_batch_times(a, replica, report):
         replica.drop_capture()
         replica.set_attention(attention)
         name = "" if attention == "dense" else "flex "
-        t = time_cuda(lambda: replica.features(batch), a.iters, replica.device)
+        t = time_cuda(lambda: replica.target_hidden(batch), a.iters, replica.device)
         out[f"{name}eager"] = t
         report(f"target {name + 'eager':11s}: {t * 1e3:8.1f} ms/batch")
         replica.capture(a.rows, a.max_length)
-        t = time_cuda(lambda: replica.features(batch), a.iters, replica.device)
+        t = time_cuda(lambda: replica.target_hidden(batch), a.iters, replica.device)
         out[f"{name}graph"] = t
         report(f"target {name + 'graph':11s}: {t * 1e3:8.1f} ms/batch")
     replica.drop_capture()
@@ -451,31 +458,32 @@ def target_batch_times(a, replica, report):
     replica.capture(a.rows, a.max_length)
     report(f"target compiled layers: compiled and captured in {time.perf_counter() - t0:.0f}s")
     with ClockAndPower(nvidia_smi_id(replica.device)) as card:
-        t = time_cuda(lambda: replica.features(batch), a.iters, replica.device)
+        t = time_cuda(lambda: replica.target_hidden(batch), a.iters, replica.device)
     out["flex compiled graph"], reading = t, card.figures()
     report(f"target flex compiled graph: {t * 1e3:8.1f} ms/batch{card_text(reading)}")
     if a.profile:  # the path a run takes (--compile on a GPU): its graph's replays, kernel by kernel
         report(f"target flex compiled graph ({a.profile}.target):")
-        profile_kernels(lambda s: replica.features(batch), replica.device, a.profile + ".target", report, call="batch")
+        profile_kernels(lambda s: replica.target_hidden(batch), replica.device, a.profile + ".target", report,
+                        call="batch")
     replica.drop_capture()
     replica.set_compiled_layers(False)
     replica.set_attention(a.target_attention)
     return out, reading
 
 
-def drafter_threads_scaling(a, cfg, first, devices, embed, head, features_dim, report, steps):
+def drafter_threads_scaling(a, cfg, first, devices, embed, head, target_hidden_size, report, steps):
     """Graphed drafter steps/s with one worker thread (`first`, already captured), then one per
     device, gradient averaging included; no target, batches resident on each device."""
     results = {}
     averager = tp.GradAverager(len(devices))
-    workers = [first] + [drafter_worker(a, cfg, dev, embed, head, features_dim, True, rank, averager)
+    workers = [first] + [drafter_worker(a, cfg, dev, embed, head, target_hidden_size, True, rank, averager)
                          for rank, dev in enumerate(devices[1:], 1)]
-    batches = [synthetic_batch(a, cfg.vocab_size, w.device, features_dim=features_dim) for w in workers]
+    batches = [synthetic_batch(a, cfg.vocab_size, w.device, target_hidden_size=target_hidden_size) for w in workers]
     for n in (1, len(devices)):
         if n > 1:  # recapture the first worker around the averaging, then capture the others
             first.averager = averager
             for w in workers:
-                w.capture(a.rows, features_dim)
+                w.capture(a.rows, target_hidden_size)
 
         def loop(w, b):
             with torch.cuda.stream(w.stream):
@@ -499,13 +507,14 @@ def drafter_threads_scaling(a, cfg, first, devices, embed, head, features_dim, r
     return results
 
 
-def drafter_beside_target(a, cfg, w, replica, features_dim, report, steps):
+def drafter_beside_target(a, cfg, w, replica, target_hidden_size, report, steps):
     """Step time of the graphed drafter worker `w` alone, and while the main thread runs eager
     target forwards."""
-    b = synthetic_batch(a, cfg.vocab_size, w.device, features_dim=features_dim)
+    b = synthetic_batch(a, cfg.vocab_size, w.device, target_hidden_size=target_hidden_size)
     tb = synthetic_batch(a, cfg.vocab_size, replica.device)
     out = {}
-    eager_target = tp.TargetReplica(replica.model, replica.layer_ids, replica.device)  # no graph: many Python calls
+    # no graph: many Python calls
+    eager_target = tp.TargetReplica(replica.model, replica.target_layer_ids, replica.device)
     for label, busy, interval in (("alone", False, 1e-4), ("target eager beside, switch 5ms", True, 5e-3),
                                   ("target eager beside, switch 0.1ms", True, 1e-4)):
         sys.setswitchinterval(interval)
@@ -513,7 +522,7 @@ def drafter_beside_target(a, cfg, w, replica, features_dim, report, steps):
 
         def target_loop():
             while not stop.is_set():
-                eager_target.features(tb)
+                eager_target.target_hidden(tb)
                 torch.cuda.synchronize(replica.device)
         th = threading.Thread(target=target_loop)
         if busy:
@@ -596,20 +605,23 @@ class ThroughputRun(tp.Run):
 
 
 def pipeline_throughput(a, cfg, replicas, drafter_devices, embed, head, compile, report):
-    args = make_args(a, compile)
-    args.layer_ids = replicas[0].layer_ids
-    os.makedirs(a.output_dir, exist_ok=True)
+    devices = [torch.device(d) for d in drafter_devices]
+    settings = make_settings(a, compile)
+    target_attention, compile_target = tp.resolve_target_stage(settings, [replicas[0].device])
+    settings = settings.replace(target_layer_ids=replicas[0].target_layer_ids, drafter_devices=devices,
+                                target_devices=[r.device for r in replicas], target_attention=target_attention,
+                                compile_target=compile_target)
     for r in replicas:  # the target's layers compiled or not as the pipeline's defaults say
         r.drop_capture()
-        r.set_compiled_layers(tp.target_stage_options(args, [r.device])[1])
+        r.set_compiled_layers(compile_target)
     drafters = [build_drafter(cfg, a, dev, embed, head) for dev in drafter_devices]
     plan = tp.RunPlan(0, 0, len(drafter_devices), {"total_batches": a.pipeline_steps * len(drafter_devices),
                       "warmup_batches": len(drafter_devices)}, {}, {})
-    run = ThroughputRun(args, plan, SyntheticBatches(a, cfg.vocab_size),
-                 [r.device for r in replicas] + [torch.device(d) for d in drafter_devices],
-                 open(os.path.join(a.output_dir, "train.log"), "a"))
+    log = tp.RunLog(a.output_dir, tp.Cluster())
+    held_out = tp.HeldOut(settings, [], None, [], [], log)
+    run = ThroughputRun(settings, plan, SyntheticBatches(a, cfg.vocab_size), drafters, log, held_out)
     t0 = time.perf_counter()
-    tp.run_pipeline(run, replicas, drafters, [torch.device(d) for d in drafter_devices], show_progress=False)
+    tp.run_pipeline(run, replicas, show_progress=False)
     if run.errors:
         for where, tb in run.errors:
             print(f"error in {where}:\n{tb}")
@@ -620,20 +632,21 @@ def pipeline_throughput(a, cfg, replicas, drafter_devices, embed, head, compile,
     os.remove(os.path.join(a.output_dir, "metrics.jsonl"))
     mode = "compiled+graph" if compile else "eager"
     report(f"pipeline {mode:14s}: {tok_s:,.0f} tokens/s (mean of the last {len(recs)} log intervals; "
-           f"queues {recs[-1]['queue_depths']}; peak GB {recs[-1]['peak_mem_gb']}; total {time.perf_counter() - t0:.0f}s)")
+           f"queues {recs[-1]['queue_depths']}; peak GB {recs[-1]['peak_mem_gb']}; "
+           f"total {time.perf_counter() - t0:.0f}s)")
     del drafters, run
     torch.cuda.empty_cache()
     return tok_s, recs[-1]
 
 
 def generation_throughput(a, report):
-    """Generated tokens/s of the batched engine (dm.generate) at a few batch sizes, eager and with
+    """Generated tokens/s of the batched engine (decoding.generate) at a few batch sizes, eager and with
     the decode step replayed as a CUDA graph: --gen-model (a model directory or builtin:...) or,
     without one, a Qwen3-8B-shaped random-weight model. Every row decodes --gen-new-tokens (no
     stop ids), from prompts of --gen-prompt-tokens random tokens."""
     from transformers import AutoModelForCausalLM, Qwen3Config
     if a.gen_model:
-        model = tp.load_full_target(a.gen_model, "cuda:0")
+        model = target_model.load_full_target(a.gen_model, "cuda:0")
         name = a.gen_model
     else:
         with torch.device("cuda:0"):
@@ -658,17 +671,18 @@ def generation_throughput(a, report):
         # (the KV cache read once per KV head), flex (only the slots each live row uses)
         for mode, graph, attention in (("eager", False, "grouped"), ("graph, model attention", True, "model"),
                                        ("graph", True, "grouped"), ("graph, flex", True, "flex")):
-            dm.generate(model, prompts[:batch], 8, (), batch, graph=graph, attention=attention)  # warm-up (and capture)
-            res, dt = timed(lambda: dm.generate(model, prompts, a.gen_new_tokens, (), batch, graph=graph,
-                                                attention=attention))
+            # warm-up (and capture)
+            decoding.generate(model, prompts[:batch], 8, (), batch, graph=graph, decode_attention=attention)
+            res, dt = timed(lambda: decoding.generate(model, prompts, a.gen_new_tokens, (), batch, graph=graph,
+                                                decode_attention=attention))
             n = sum(len(t) for t, _ in res)
             out[f"{batch}_{mode}"] = n / dt
             report(f"  batch {batch:4d} {mode:22s}: {n / dt:9,.0f} generated tokens/s ({n} tokens in {dt:.1f}s, "
                    f"{2 * n_params * n / dt / PEAK_FLOPS:.1%} MFU on weights)")
         # prompt lookup: on random prompts it rarely proposes a right token, so this is the cost
         # of verifying blocks of 16 at about one token gained per step, against greedy's steps
-        dm.speculative_generate(model, prompts[:batch], 8, (), block_size=16, batch_size=batch)  # warm-up
-        res, dt = timed(lambda: dm.speculative_generate(model, prompts, a.gen_new_tokens, (), block_size=16,
+        decoding.speculative_generate(model, prompts[:batch], 8, (), block_size=16, batch_size=batch)  # warm-up
+        res, dt = timed(lambda: decoding.speculative_generate(model, prompts, a.gen_new_tokens, (), block_size=16,
                                                         batch_size=batch))
         n, steps = sum(len(t) for t, _ in res), sum(len(g) for _, g in res)
         out[f"{batch}_lookup"] = n / dt
@@ -680,7 +694,8 @@ def generation_throughput(a, report):
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--preset", choices=sorted(PRESETS), default=None,
-                   help="qwen3-8b on 2+ GPUs (target GPU 0, drafter GPU 1); small on 1 GPU; smollm2-135m: the GPU demo's shapes")
+                   help="qwen3-8b on 2+ GPUs (target GPU 0, drafter GPU 1); small on 1 GPU; "
+                   "smollm2-135m: the GPU demo's shapes")
     p.add_argument("--rows", type=int, default=None, help="rows of --max-length per batch (token budget / max length)")
     p.add_argument("--max-length", type=int, default=None, help="row length (default: the preset's)")
     p.add_argument("--anchors", type=int, default=512)
@@ -700,16 +715,20 @@ def main():
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--pipeline-steps", type=int, default=40)
     p.add_argument("--log-interval", type=int, default=10)
-    p.add_argument("--target-gpus", default=None, help="GPU indices of the target stage (pipeline section), e.g. 0,1,2,3,4,5")
-    p.add_argument("--drafter-gpus", default=None, help="GPU indices of the drafter workers (pipeline section), e.g. 6,7")
+    p.add_argument("--target-gpus", default=None,
+                   help="GPU indices of the target stage (pipeline section), e.g. 0,1,2,3,4,5")
+    p.add_argument("--drafter-gpus", default=None,
+                   help="GPU indices of the drafter workers (pipeline section), e.g. 6,7")
     p.add_argument("--step-modes", default="eager,compiled", help="drafter step section: eager, compiled (then graph)")
     p.add_argument("--skip", default="", help="comma list of sections to skip: step,target,scaling,beside,pipeline")
     p.add_argument("--output-dir", default="/tmp/dflash_bench")
     p.add_argument("--json", default=None, help="write all results here")
-    p.add_argument("--profile", default=None, help="write a per-kernel GPU time table of the compiled drafter step here; "
+    p.add_argument("--profile", default=None,
+                   help="write a per-kernel GPU time table of the compiled drafter step here; "
                    "the graph's replays to FILE.graph and the two compared to FILE.diff; the target stage's "
                    "flex compiled graph to FILE.target")
-    p.add_argument("--ce-memory", action="store_true", help="only the LM-head/CE peak memory per chunk size (CPU or GPU)")
+    p.add_argument("--ce-memory", action="store_true",
+                   help="only the LM-head/CE peak memory per chunk size (CPU or GPU)")
     p.add_argument("--ce-positions", type=int, default=16384)
     p.add_argument("--ce-hidden", type=int, default=4096)
     p.add_argument("--ce-vocab", type=int, default=151936)
@@ -744,9 +763,9 @@ def main():
     target_devs = [f"cuda:{i}" for i in (a.target_gpus or "0").split(",")]
     drafter_devs = [f"cuda:{i}" for i in (a.drafter_gpus or ("1" if n_gpu >= 2 else "0")).split(",")]
     target_dev, drafter_dev = target_devs[0], drafter_devs[0]
-    a.drafter_attention = tp.drafter_attention(a.drafter_attention, [torch.device(drafter_dev)], cfg, a.block)
+    a.drafter_attention = tp.resolve_drafter_attention(a.drafter_attention, [torch.device(drafter_dev)], cfg, a.block)
     n_used = len(set(target_devs + drafter_devs))
-    features_dim = len(layer_ids) * cfg.hidden_size
+    target_hidden_size = len(layer_ids) * cfg.hidden_size
     lines = []
 
     started = time.perf_counter()
@@ -758,9 +777,12 @@ def main():
     def section(name):
         report(f"[{time.perf_counter() - started:4.0f}s] {name}")
 
-    report(f"# {time.strftime('%Y-%m-%d %H:%M')} {torch.cuda.get_device_name(0)} x{n_gpu}, torch {torch.__version__}")
+    report(f"# {time.strftime('%Y-%m-%d %H:%M')} {torch.cuda.get_device_name(0)} x{n_gpu}, "
+           f"torch {torch.__version__}")
     report(f"preset {a.preset}: batch {a.rows} x {a.max_length} tokens, {a.anchors} anchors/row x block {a.block}, "
-           f"{a.draft_layers} draft layers, target layers {layer_ids}, LM-head CE kernel {a.ce_kernel}, drafter attention {a.drafter_attention} {dm.BLOCK_ATTENTION_CONFIG}; target on {target_devs}, drafter on {drafter_devs}")
+           f"{a.draft_layers} draft layers, target layers {layer_ids}, LM-head CE kernel {a.ce_kernel}, "
+           "drafter attention "
+           f"{a.drafter_attention} {dm.BLOCK_ATTENTION_CONFIG}; target on {target_devs}, drafter on {drafter_devs}")
     report(f"FLOPs: {FORMULA}")
     results = {"preset": a.preset, "rows": a.rows, "max_length": a.max_length}
     t_flops = target_flops_per_token(cfg, max(layer_ids) + 1)
@@ -777,12 +799,13 @@ def main():
         n_params = dm.DFlashDraftModel(dcfg).num_parameters()
     report(f"drafter params: {n_params / 1e9:.3f}B")
     attn_flops = drafter_attention_flops_per_step(dcfg, synthetic_batch(a, cfg.vocab_size, "cpu"), a.anchors, a.block)
-    report(f"drafter attention (not in MFU): {attn_flops / 1e12:.2f} TFLOP/step on the (query, key) pairs its mask lets through")
+    report(f"drafter attention (not in MFU): {attn_flops / 1e12:.2f} TFLOP/step on the (query, key) pairs its mask "
+           "lets through")
 
     graphed = None  # the step section's captured worker: the beside and scaling sections reuse it
     if "step" not in skip:  # first: it compiles, and later sections reuse the compile caches
         section("step")
-        st, graphed = drafter_step_times(a, cfg, drafter_dev, embed, head, features_dim, report)
+        st, graphed = drafter_step_times(a, cfg, drafter_dev, embed, head, target_hidden_size, report)
         results["drafter"] = st
         for k, v in st.items():
             report(drafter_rate_line(k, v, tokens, d_flops, attn_flops))
@@ -800,15 +823,15 @@ def main():
     replica.drop_capture()  # its static buffers and pool: the later sections capture their own
     torch.cuda.empty_cache()
     if ({"beside", "scaling"} - skip) and graphed is None:
-        graphed = drafter_worker(a, cfg, drafter_dev, embed, head, features_dim, compile=True)
-        graphed.capture(a.rows, features_dim)
+        graphed = drafter_worker(a, cfg, drafter_dev, embed, head, target_hidden_size, compile=True)
+        graphed.capture(a.rows, target_hidden_size)
     if "beside" not in skip:
         section("beside")
-        results["beside"] = drafter_beside_target(a, cfg, graphed, replica, features_dim, report, 12)
+        results["beside"] = drafter_beside_target(a, cfg, graphed, replica, target_hidden_size, report, 12)
     if "scaling" not in skip and n_gpu >= 2:
         section("scaling")
         other = "cuda:0" if drafter_dev != "cuda:0" else "cuda:1"
-        sc = drafter_threads_scaling(a, cfg, graphed, [drafter_dev, other], embed, head, features_dim, report, 30)
+        sc = drafter_threads_scaling(a, cfg, graphed, [drafter_dev, other], embed, head, target_hidden_size, report, 30)
         results["scaling"] = sc
         report(f"  2 drafter threads vs 1: {sc[2] / sc[1]:.2f}x")
     graphed = None  # its graphs' memory: the pipeline builds its own workers
@@ -834,7 +857,7 @@ def main():
 
 
 def write_json(path, results, lines):
-    """--json's file: the results (scripts/experiments/device_kit.sh's step-ab reads them) and the printed lines."""
+    """--json's file: the results and the printed lines."""
     with open(path, "w") as f:
         json.dump({"results": results, "lines": lines}, f, indent=1, default=str)
 

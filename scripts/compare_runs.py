@@ -13,7 +13,7 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import train_dflash_pipeline as tp  # noqa: E402
+import plots  # noqa: E402
 
 
 def summary(name, recs, final):
@@ -24,10 +24,11 @@ def summary(name, recs, final):
     last_val = vals[-1] if vals else {}
     fmt = lambda x: "-" if x is None else f"{x:.2f}"  # noqa: E731
     measured = " ".join(f"{r['eval_acceptance_length']:.2f}@{r['step']}" for r in evals) or "-"
+    first_answers = last_val.get("val_acceptance_length_first_answers")
     return (f"{name:<24} {train[-1]['step'] if train else 0:>6} {fmt(last_val.get('val_tau_hat')):>8} "
-            f"{fmt(last_val.get('val_acceptance_length')):>9} {fmt(last_val.get('val_acceptance_length_first_answers')):>9} "
-            f"{measured:>14} "
-            f"{fmt(final and final['acceptance_length']):>6} {fmt(final and final['prompt_lookup_acceptance_length']):>7}")
+            f"{fmt(last_val.get('val_acceptance_length')):>9} {fmt(first_answers):>9} {measured:>14} "
+            f"{fmt(final and final['acceptance_length']):>6} "
+            f"{fmt(final and final['prompt_lookup_acceptance_length']):>7}")
 
 
 def plot(runs, out, x="step"):
@@ -85,8 +86,9 @@ def main(argv=None):
     for d in a.runs:
         if not os.path.exists(os.path.join(d, "metrics.jsonl")):
             sys.exit(f"{d}: no metrics.jsonl (not a run directory?)")
-        runs.append((os.path.basename(os.path.normpath(d)), *tp.run_records(d)))
-    print(f"{'run':<24} {'steps':>6} {'val tau':>8} {'replayed':>9} {'first':>9} {'measured@step':>14} {'final':>6} {'lookup':>7}")
+        runs.append((os.path.basename(os.path.normpath(d)), *plots.run_records(d)))
+    print(f"{'run':<24} {'steps':>6} {'val tau':>8} {'replayed':>9} {'first':>9} {'measured@step':>14} "
+          f"{'final':>6} {'lookup':>7}")
     for name, recs, final in runs:
         print(summary(name, recs, final))
     if a.out:

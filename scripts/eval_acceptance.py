@@ -23,6 +23,9 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import chat_data  # noqa: E402
+import demo_assets  # noqa: E402
+import evaluation  # noqa: E402
 import train_dflash_pipeline as tp  # noqa: E402
 
 
@@ -39,14 +42,14 @@ def main(argv=None):
     p.add_argument("--chat-template-kwargs", default=None,
                    help="JSON; default: those recorded in the drafter's dflash_training.json")
     args = p.parse_args(argv)
-    kwargs = tp.parse_chat_template_kwargs(args.chat_template_kwargs) if args.chat_template_kwargs is not None \
+    kwargs = chat_data.parse_chat_template_kwargs(args.chat_template_kwargs) if args.chat_template_kwargs is not None \
         else tp.read_training_record(args.drafter).get("chat_template_kwargs", {})
-    prompts = tp.read_prompts(args.prompts or tp.mtbench_file())
+    prompts = evaluation.read_prompts(args.prompts or demo_assets.mtbench_file())
     if args.single_turn:
         prompts = [(c, t[:1]) for c, t in prompts]
     prompts = prompts[:args.num_prompts]
-    report = tp.evaluate_drafter_dir(args.target_model, args.drafter, prompts, args.device, args.max_new_tokens, kwargs,
-                                     batch_size=args.batch_size)
+    report = evaluation.evaluate_drafter_dir(args.target_model, args.drafter, prompts, args.device,
+                                             args.max_new_tokens, kwargs, batch_size=args.batch_size)
     print(json.dumps({k: v for k, v in report.items() if k != "mismatches"}, indent=1))
     if not report["lossless"]:
         print(f"FAILED: {len(report['mismatches'])} speculative outputs differ from target greedy decoding: "

@@ -22,8 +22,10 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import numpy as np  # noqa: E402
 
-import dflash_model as dm  # noqa: E402
-import train_dflash_pipeline as tp  # noqa: E402
+import chat_data  # noqa: E402
+import decoding  # noqa: E402
+import evaluation  # noqa: E402
+import target_model  # noqa: E402
 
 
 def marked(tokenizer, ids, mask, colour):
@@ -47,8 +49,8 @@ def lookup_gains(ids, mask):
     """Prompt lookup replayed over each trained span of a document (each run of loss tokens,
     given all the document before it): a list of gains lists, one per span in order."""
     ids = np.asarray(ids)
-    return [gains for gains, _ in tp.replayed_over_answers(lambda p, end: dm.lookup_accepted(ids, p, end, LOOKUP_BLOCK),
-                                                           mask, np.zeros(len(ids)))]
+    lookup = lambda p, end: decoding.lookup_accepted(ids, p, end, LOOKUP_BLOCK)  # noqa: E731
+    return [gains for gains, _ in evaluation.replayed_over_answers(lookup, mask, np.zeros(len(ids)))]
 
 
 def lookup_summary(spans):
@@ -60,7 +62,8 @@ def lookup_summary(spans):
     mean = lambda gs: f"{sum(gs) / len(gs):.2f}" if gs else "-"  # noqa: E731
     whole = sum(g for g in every if g == LOOKUP_BLOCK)
     return (f"prompt lookup replayed over the trained spans: acceptance {mean(every)} (first span of a document "
-            f"{mean(first)}, later spans {mean(later)}); {whole / max(sum(every), 1):.1%} of the tokens in whole blocks")
+            f"{mean(first)}, later spans {mean(later)}); {whole / max(sum(every), 1):.1%} of the tokens in whole "
+            "blocks")
 
 
 def main(argv=None):
@@ -75,18 +78,18 @@ def main(argv=None):
     p.add_argument("--lookup", action="store_true", help="prompt lookup replayed over the trained spans (see above)")
     args = p.parse_args(argv)
     try:
-        kwargs = tp.parse_chat_template_kwargs(args.chat_template_kwargs)
-        paths = tp.resolve_data_paths(args.data)
-    except tp.UsageError as e:
+        kwargs = chat_data.parse_chat_template_kwargs(args.chat_template_kwargs)
+        paths = chat_data.resolve_data_paths(args.data)
+    except chat_data.UsageError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    tokenizer = tp.load_tokenizer(args.tokenizer)
+    tokenizer = target_model.load_tokenizer(args.tokenizer)
     vocab = args.vocab_size or len(tokenizer)
     colour = sys.stdout.isatty()
     dump = open(args.dump, "w") if args.dump else None
-    total, shown, all_spans = tp.DocumentStats(), 0, []
+    total, shown, all_spans = chat_data.DocumentStats(), 0, []
     for path in paths:
-        docs, stats = tp.read_documents(path, tokenizer, args.max_length, vocab, kwargs, workers=0)
+        docs, stats = chat_data.read_documents(path, tokenizer, args.max_length, vocab, kwargs, workers=0)
         total.add(stats)
         print(f"{path}:")
         for line in stats.summary():

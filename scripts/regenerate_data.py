@@ -25,6 +25,10 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import chat_data  # noqa: E402
+import demo_assets  # noqa: E402
+import regeneration  # noqa: E402
+import target_model  # noqa: E402
 import train_dflash_pipeline as tp  # noqa: E402
 
 
@@ -45,12 +49,13 @@ def main(argv=None):
     g = p.add_argument_group("embedded engine (default)")
     g.add_argument("--gpus", default=None, help="e.g. 0,1,2,3 (one replica each); default: all visible, or cpu")
     g.add_argument("--batch-size", type=int, default=128, help="rows decoded together per replica")
-    g.add_argument("--attention", choices=["grouped", "flex"], default="grouped",
+    g.add_argument("--decode-attention", "--attention", dest="decode_attention", choices=["grouped", "flex"],
+                   default="grouped",
                    help="the decode steps' attention: grouped SDPA over every cache slot, or flex_attention reading "
                    "only the slots each row uses, rows of any length sharing one decoder. On one H200 with every row "
                    "live: at SmolLM2's 9 query heads over 3 its step is 2.3x grouped's; where query heads per KV head "
                    "are a power of two (Qwen3-8B's 32 over 8) it gets inductor's decoding kernel and is 1.08-1.26x "
-                   "faster (docs/benchmarks.md, seventeenth and twentieth sessions; not yet measured end to end)")
+                   "faster (the decode step alone; not measured end to end)")
     g.add_argument("--max-context-tokens", type=int, default=0,
                    help="a conversation ends before a turn whose prompt has this many tokens (pass training's "
                    "--max-length: later turns are cut off there anyway); 0: the target's window less --max-new-tokens")
@@ -63,19 +68,20 @@ def main(argv=None):
     g.add_argument("--backoff", type=float, default=1.0, help="seconds before the first retry, doubling")
     args = p.parse_args(argv)
     try:
-        args.chat_template_kwargs = tp.parse_chat_template_kwargs(args.chat_template_kwargs)
-    except tp.UsageError as e:
+        args.chat_template_kwargs = chat_data.parse_chat_template_kwargs(args.chat_template_kwargs)
+    except chat_data.UsageError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     args.server_model = args.server_model or args.target_model
     if args.server:
-        make_backend = lambda progress: tp.ServerBackend(args.server, args, progress)  # noqa: E731
+        make_backend = lambda progress: regeneration.ServerBackend(args.server, args, progress)  # noqa: E731
     else:
         devices = tp.parse_devices(args.gpus) if args.gpus else (
             [torch.device("cuda", i) for i in range(torch.cuda.device_count())] or [torch.device("cpu")])
-        tokenizer = tp.load_tokenizer(args.target_model)
-        make_backend = lambda progress: tp.EmbeddedBackend(args.target_model, devices, tokenizer, args, progress)  # noqa: E731
-    summary = tp.regenerate(tp.builtin_data(args.input), args.output, make_backend, args.window)
+        tokenizer = target_model.load_tokenizer(args.target_model)
+        make_backend = lambda progress: regeneration.EmbeddedBackend(  # noqa: E731
+            args.target_model, devices, tokenizer, args, progress)
+    summary = regeneration.regenerate(demo_assets.builtin_data(args.input), args.output, make_backend, args.window)
     print(summary["text"])
     if summary["rejected"]:
         print(f"error: {summary['rejected']} conversations failed; their reasons are in {summary['rejects']}",

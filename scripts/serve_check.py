@@ -27,7 +27,11 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import dflash_model as dm  # noqa: E402
+import chat_data  # noqa: E402
+import decoding  # noqa: E402
+import demo_assets  # noqa: E402
+import evaluation  # noqa: E402
+import target_model  # noqa: E402
 import train_dflash_pipeline as tp  # noqa: E402
 
 
@@ -64,8 +68,9 @@ def main(argv=None):
     kwargs = record.get("chat_template_kwargs", {})
     with open(os.path.join(args.drafter, "config.json")) as f:
         block = json.load(f)["block_size"]
-    prompts = [(c, t[:1]) for c, t in tp.read_prompts(args.prompts or tp.mtbench_file())][:args.num_prompts]
-    target_path = tp.resolve_model_path(args.target_model)
+    prompts = evaluation.read_prompts(args.prompts or demo_assets.mtbench_file())
+    prompts = [(c, t[:1]) for c, t in prompts][:args.num_prompts]
+    target_path = target_model.resolve_model_path(args.target_model)
     port = free_port()
     spec = json.dumps({"method": "dflash", "model": os.path.abspath(args.drafter), "num_speculative_tokens": block - 1})
     cmd = [args.vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model", target_path,
@@ -121,14 +126,15 @@ def main(argv=None):
         scratch.cleanup()
     accepted, drafts = after[0] - before[0], after[1] - before[1]
     engine = 1 + accepted / drafts if drafts else float("nan")
-    target = tp.load_full_target(args.target_model, args.device)  # one load, for our evaluator and the greedy outputs
-    report = tp.evaluate_drafter_dir(args.target_model, args.drafter, prompts, args.device, args.max_new_tokens,
+    # one load, for our evaluator and the greedy outputs
+    target = target_model.load_full_target(args.target_model, args.device)
+    report = evaluation.evaluate_drafter_dir(args.target_model, args.drafter, prompts, args.device, args.max_new_tokens,
                                      kwargs, log=lambda m: None, target=target)
-    tokenizer = tp.load_tokenizer(args.target_model)
-    ids = [tp.prompt_ids(tokenizer, [{"role": "user", "content": t[0]}], kwargs) for _, t in prompts]
+    tokenizer = target_model.load_tokenizer(args.target_model)
+    ids = [chat_data.prompt_ids(tokenizer, [{"role": "user", "content": t[0]}], kwargs) for _, t in prompts]
     greedy = [tokenizer.decode(t, skip_special_tokens=True)
-              for t, _ in dm.generate(target, ids, args.max_new_tokens,
-                                      tp.stop_token_ids(tokenizer, target.generation_config))]
+              for t, _ in decoding.generate(target, ids, args.max_new_tokens,
+                                      target_model.stop_token_ids(tokenizer, target.generation_config))]
     same = sum(a.strip() == b.strip() for a, b in zip(served, greedy))
     ours = report["acceptance_length"]
     print(f"engine (vLLM) mean acceptance length {engine:.3f} ({accepted:.0f} accepted of {drafts:.0f} drafts x "

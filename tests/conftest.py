@@ -130,7 +130,8 @@ def run_interpreted(check):
     """A check script (it prints ok) in a fresh interpreter under Triton's interpreter (set before
     triton is imported); sys.argv[1] is the repository root."""
     pytest.importorskip("triton")
-    import subprocess, sys
+    import subprocess
+    import sys
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     out = subprocess.run([sys.executable, "-c", check, root], env=dict(os.environ, TRITON_INTERPRET="1"),
                          capture_output=True, text=True, timeout=300)

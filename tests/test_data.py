@@ -9,6 +9,8 @@ import numpy as np
 import pytest
 import torch
 
+import chat_data
+import demo_assets
 import train_dflash_pipeline as tp
 from conftest import tiny_tokenizer, write_jsonl
 
@@ -105,8 +107,8 @@ def assert_trained_as_served(tok, docs, turns):
 def test_every_turn_trained_as_a_server_renders_it(real_tokenizer, name, with_think, with_system):
     tok = real_tokenizer(name)
     msgs = messages(with_system, with_think)
-    stats = tp.DocumentStats()
-    docs = tp.conversation_documents(tok, msgs, 4096, {}, stats, "row")
+    stats = chat_data.DocumentStats()
+    docs = chat_data.conversation_documents(tok, msgs, 4096, {}, stats, "row")
     assert_trained_as_served(tok, docs, RENDERINGS[name](msgs))
     assert stats.counts["trained_turns"] == stats.counts["assistant_turns"] == 3
     assert stats.counts["assistant_tokens"] == sum(sum(m) for _, m in docs)
@@ -117,19 +119,19 @@ def test_every_turn_trained_as_a_server_renders_it(real_tokenizer, name, with_th
 def test_qwen3_thinking_off_is_what_the_server_shows(real_tokenizer):
     tok = real_tokenizer("qwen3")
     msgs = messages(True, with_think=False)
-    docs = tp.conversation_documents(tok, msgs, 4096, {"enable_thinking": False}, tp.DocumentStats(), "row")
+    docs = chat_data.conversation_documents(tok, msgs, 4096, {"enable_thinking": False}, chat_data.DocumentStats(), "row")
     assert_trained_as_served(tok, docs, qwen3_turns(msgs, enable_thinking=False))
     # think blocks in the data but thinking off when served: the reply cannot follow that prompt
-    stats = tp.DocumentStats()
-    docs = tp.conversation_documents(tok, messages(True, True), 4096, {"enable_thinking": False}, stats, "row")
+    stats = chat_data.DocumentStats()
+    docs = chat_data.conversation_documents(tok, messages(True, True), 4096, {"enable_thinking": False}, stats, "row")
     assert stats.skipped_turns == {"rendered turn does not extend the generation prompt": 3} and docs == []
 
 
 def test_leading_assistant_turn_and_system_prompt_carry_no_loss(real_tokenizer):
     tok = real_tokenizer("llama3_1")
     msgs = [{"role": "assistant", "content": "Hello, how can I help?"}] + messages(True, False)
-    stats = tp.DocumentStats()
-    (ids, mask), = tp.conversation_documents(tok, msgs, 4096, {}, stats, "row")
+    stats = chat_data.DocumentStats()
+    (ids, mask), = chat_data.conversation_documents(tok, msgs, 4096, {}, stats, "row")
     assert stats.skipped_turns == {"assistant turn before any user turn (dropped)": 1}
     assert "Hello, how can I help?" not in tok.decode(ids)
     trained = tok.decode([t for t, m in zip(ids, mask) if m])
@@ -141,8 +143,8 @@ def test_truncation_keeps_the_trained_turn_and_covers_every_reply_token():
     tok = tiny_tokenizer()
     long_history = [{"role": "user", "content": "x" * 150}, {"role": "assistant", "content": "y" * 150},
                     {"role": "user", "content": "q"}, {"role": "assistant", "content": "z" * 40}]
-    stats = tp.DocumentStats()
-    docs = tp.conversation_documents(tok, long_history, 64, {}, stats, "row")
+    stats = chat_data.DocumentStats()
+    docs = chat_data.conversation_documents(tok, long_history, 64, {}, stats, "row")
     assert all(len(ids) <= 64 for ids, _ in docs)
     trained = "".join(tok.decode([t for t, m in zip(ids, mask) if m]) for ids, mask in docs)
     assert trained == "y" * 150 + "<|end|>" + "z" * 40 + "<|end|>"  # every reply token, once
@@ -157,15 +159,15 @@ def test_truncation_keeps_the_trained_turn_and_covers_every_reply_token():
 def test_cover_windows():
     # 10 prompt tokens then 30 trained; windows of 16 keep a quarter (4) of context each
     mask = [0] * 10 + [1] * 30
-    w = tp.cover(list(range(40)), mask, 16)
+    w = chat_data.cover(list(range(40)), mask, 16)
     assert w == [(6, 22, 10), (18, 34, 22), (24, 40, 34)]  # a quarter of context, then all that fits
     assert all(e - s <= 16 for s, e, _ in w)
     trained = [k for s, e, c in w for k in range(c, e) if mask[k]]
     assert trained == list(range(10, 40))  # each trained position once, in order
-    assert tp.cover(list(range(8)), [0, 0, 1, 1, 1, 1, 1, 1], 16) == [(0, 8, 2)]
+    assert chat_data.cover(list(range(8)), [0, 0, 1, 1, 1, 1, 1, 1], 16) == [(0, 8, 2)]
     # whole turns where they fit: the second turn is not cut to fill the first window
     two = [0] * 4 + [1] * 6 + [0] * 2 + [1] * 8
-    assert tp.cover(list(range(20)), two, 16) == [(0, 10, 4), (4, 20, 12)]
+    assert chat_data.cover(list(range(20)), two, 16) == [(0, 10, 4), (4, 20, 12)]
 
 
 def test_skips_and_truncations_are_summarised_not_printed_per_row(tmp_path):
@@ -174,7 +176,7 @@ def test_skips_and_truncations_are_summarised_not_printed_per_row(tmp_path):
         ["{bad"] * 7 + [{"messages": [{"role": "user", "content": "q"}]}]
     path = write_jsonl(tmp_path / "d.jsonl", rows)
     logged = []
-    corpus = tp.load_corpus([path], tok, 64, 128, str(tmp_path / "cache"), {}, logged.append)
+    corpus = chat_data.load_corpus([path], tok, 64, 128, str(tmp_path / "cache"), {}, logged.append)
     s = corpus.stats
     assert s.counts["rows"] == 18 and s.skipped_rows["no assistant turn"] == 1
     assert sum(n for r, n in s.skipped_rows.items() if r.startswith("bad JSON")) == 7
@@ -194,9 +196,9 @@ def test_tokenising_processes_give_the_documents_and_counts_of_one(tmp_path):
                             {"input_ids": [1, 2, 3, 4], "loss_mask": [0, 1, 1, 1]}, {"input_ids": [1, 2]}] + \
         [multi] * 5 + chat_rows(13, seed=1) + ["{also bad"]
     path = write_jsonl(tmp_path / "d.jsonl", rows)
-    one = tp.read_documents(path, tok, 48, len(tok), {}, workers=1, log=lambda m: None)
+    one = chat_data.read_documents(path, tok, 48, len(tok), {}, workers=1, log=lambda m: None)
     for workers, chunk_rows in ((2, 4), (3, 7), (2, 1000)):
-        many = tp.read_documents(path, tok, 48, len(tok), {}, workers=workers, chunk_rows=chunk_rows,
+        many = chat_data.read_documents(path, tok, 48, len(tok), {}, workers=workers, chunk_rows=chunk_rows,
                                  log=lambda m: None)
         assert many[0] == one[0] and many[1].to_dict() == one[1].to_dict(), (workers, chunk_rows)
     assert one[1].counts["rows"] == len(rows) and len(one[1].skipped_rows) >= 3
@@ -211,15 +213,15 @@ def test_a_tokenising_process_that_dies_stops_the_read_rather_than_hanging(tmp_p
     from concurrent.futures.process import BrokenProcessPool
     from test_pipeline import chat_rows
     path = write_jsonl(tmp_path / "d.jsonl", chat_rows(40))
-    monkeypatch.setattr(tp, "_read_chunk", _killed)
+    monkeypatch.setattr(chat_data, "_read_chunk", _killed)
     with pytest.raises(BrokenProcessPool):
-        tp.read_documents(path, tiny_tokenizer(), 48, 128, {}, workers=2, chunk_rows=4, log=lambda m: None)
+        chat_data.read_documents(path, tiny_tokenizer(), 48, 128, {}, workers=2, chunk_rows=4, log=lambda m: None)
 
 
 def test_cache_key_covers_tokenizer_contents_and_template_options(tmp_path):
     tok = tiny_tokenizer()
     path = write_jsonl(tmp_path / "d.jsonl", [{"prompt": "x"}])
-    key = lambda t, kw: tp.corpus_cache_key([path], t, 64, 128, kw)
+    key = lambda t, kw: chat_data.corpus_cache_key([path], t, 64, 128, kw)
     base = key(tok, {})
     assert key(tok, {"enable_thinking": False}) != base
     other = tiny_tokenizer()
@@ -245,7 +247,7 @@ def test_inspect_data_dumps_what_the_pipeline_trains(tmp_path, capsys):
     assert "21 rows (1 skipped)" in out and "carry loss" in out and "bad JSON" in out
     assert out.count("--- document") == 2 and "[[" in out and "<|end|>]]" in out
     dumped = [json.loads(l) for l in dump.read_text().splitlines()]
-    corpus = tp.load_corpus([path], tok, 256, len(tok), str(tmp_path / "cache"), {}, lambda m: None)
+    corpus = chat_data.load_corpus([path], tok, 256, len(tok), str(tmp_path / "cache"), {}, lambda m: None)
     assert len(dumped) == len(corpus)
     for i, d in enumerate(dumped):
         ids, mask = corpus.doc(i)
@@ -275,7 +277,7 @@ def test_inspect_data_replays_prompt_lookup_over_each_trained_span(tmp_path, cap
 # --- mask token ------------------------------------------------------------------------------
 
 def corpus_of(ids):
-    return tp.Corpus(np.asarray(ids, np.int32), np.ones(len(ids), np.uint8), np.asarray([0, len(ids)]), None)
+    return chat_data.Corpus(np.asarray(ids, np.int32), np.ones(len(ids), np.uint8), np.asarray([0, len(ids)]), None)
 
 
 def test_mask_token_qwen3_unused_embedding_row(real_tokenizer, tmp_path):
@@ -289,7 +291,7 @@ def test_mask_token_llama3_reserved_never_a_stop_id(real_tokenizer, tmp_path):
     mask = tp.choose_mask_token_id(tok, 128256, corpus_of([1, 2]), None, str(tmp_path))
     assert mask == 128002 and tok.convert_ids_to_tokens(mask) == "<|reserved_special_token_0|>"
     for stop in (128001, 128008, 128009, 128000, 128006):  # stop ids, bos, a template token
-        with pytest.raises(tp.UsageError, match=f"--mask-token-id {stop} .* is used by"):
+        with pytest.raises(chat_data.UsageError, match=f"--mask-token-id {stop} .* is used by"):
             tp.choose_mask_token_id(tok, 128256, corpus_of([1, 2]), stop, str(tmp_path))
     # a reserved token that appears in the data is passed over
     assert tp.choose_mask_token_id(tok, 128256, corpus_of([128002]), None, str(tmp_path)) == 128003
@@ -310,9 +312,9 @@ def test_mask_token_smollm2_shaped(tmp_path):
     tok.chat_template = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
                          "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
     assert tp.choose_mask_token_id(tok, len(tok), corpus_of([10, 11]), None, str(tmp_path)) == 3
-    with pytest.raises(tp.UsageError, match="--mask-token-id 1 "):
+    with pytest.raises(chat_data.UsageError, match="--mask-token-id 1 "):
         tp.choose_mask_token_id(tok, len(tok), corpus_of([10]), 1, str(tmp_path))
-    with pytest.raises(tp.UsageError, match="no unused special token"):
+    with pytest.raises(chat_data.UsageError, match="no unused special token"):
         tp.choose_mask_token_id(tok, len(tok), corpus_of([3, 4]), None, str(tmp_path))
 
 
@@ -350,13 +352,13 @@ def test_gemma_target_stage_equals_the_transformers_forward(tmp_path, attention,
     tiny_tokenizer().save_pretrained(tmp_path / "g")
     layers = [1, 3]
     (rep,), embed, _ = tp.load_target_replicas(str(tmp_path / "g"), [torch.device("cpu")], layers, log=lambda *a: None,
-                                               attention=attention)
+                                               target_attention=attention)
     g = torch.Generator().manual_seed(0)
     docs = [torch.randint(0, 100, (n,), generator=g) for n in lengths]
     batch = {"input_ids": torch.cat(docs + [torch.zeros(3, dtype=torch.long)])[None],
              "doc_ids": torch.cat([torch.full((len(d),), i) for i, d in enumerate(docs)] + [torch.full((3,), -1)])[None],
              "position_ids": torch.cat([torch.arange(len(d)) for d in docs] + [torch.zeros(3, dtype=torch.long)])[None]}
-    packed = rep.features(batch)
+    packed = rep.target_hidden(batch)
     at = 0
     for d in docs:
         hs = target(d[None], output_hidden_states=True).hidden_states
@@ -384,13 +386,13 @@ def test_builtin_prompts_keep_the_demo_conversations_first_then_add_the_long_one
             {"conversations": [{"from": "human", "value": "u" * 4500}, {"from": "gpt", "value": "x" * 3000}]},
             conv("e", "fine")]
     (tmp_path / "share.json").write_text(json.dumps(rows))
-    monkeypatch.setattr(tp, "CACHE", str(tmp_path / "cache"))
-    monkeypatch.setattr(tp, "package_file", lambda name: str(tmp_path / "share.json"))
-    demo = [json.loads(l) for l in open(tp.builtin_data(tp.BUILTIN_DATA))]
+    monkeypatch.setattr(demo_assets, "CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(demo_assets, "package_file", lambda name: str(tmp_path / "share.json"))
+    demo = [json.loads(l) for l in open(demo_assets.builtin_data(demo_assets.BUILTIN_DATA))]
     assert demo == [rows[0], rows[3], rows[5]]  # at most 6000 characters, ASCII first turn
-    prompts = [json.loads(l) for l in open(tp.builtin_data(tp.BUILTIN_PROMPTS))]
+    prompts = [json.loads(l) for l in open(demo_assets.builtin_data(demo_assets.BUILTIN_PROMPTS))]
     assert prompts == [rows[0], rows[3], rows[5], rows[1]]  # then the long reply; not é, not 4500 user chars
-    assert tp.builtin_data("my.jsonl") == "my.jsonl"
+    assert demo_assets.builtin_data("my.jsonl") == "my.jsonl"
 
 
 def test_publish_directory_second_process_takes_the_first_copy(tmp_path):
@@ -400,8 +402,8 @@ def test_publish_directory_second_process_takes_the_first_copy(tmp_path):
     for d, text in ((first, "first"), (second, "second")):
         d.mkdir()
         (d / "config.json").write_text(text)
-    assert tp.publish_directory(str(first), str(out), "config.json") == str(out)
-    assert tp.publish_directory(str(second), str(out), "config.json") == str(out)
+    assert demo_assets.publish_directory(str(first), str(out), "config.json") == str(out)
+    assert demo_assets.publish_directory(str(second), str(out), "config.json") == str(out)
     assert (out / "config.json").read_text() == "first" and not second.exists() and not first.exists()
     # a non-empty directory without the marker is not a finished copy: the error stands
     (tmp_path / "broken").mkdir()
@@ -410,4 +412,4 @@ def test_publish_directory_second_process_takes_the_first_copy(tmp_path):
     third.mkdir()
     (third / "config.json").write_text("third")
     with pytest.raises(OSError):
-        tp.publish_directory(str(third), str(tmp_path / "broken"), "config.json")
+        demo_assets.publish_directory(str(third), str(tmp_path / "broken"), "config.json")

@@ -11,22 +11,23 @@ import torch
 from safetensors.torch import load_file
 
 from conftest import write_jsonl
-from test_pipeline import ROOT, SCRIPT, chat_rows, pipeline_args
+from test_pipeline import FAULT, ROOT, SCRIPT, chat_rows, pipeline_args
 
 # One intra-op thread everywhere, so a matmul sums in the same order in every process.
 ENV = dict(os.environ, OMP_NUM_THREADS="1")
 
 
-def command(out, model_dir, data, processes, *extra):
+def command(out, model_dir, data, processes, *extra, fault_at=None):
     launcher = ([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(processes)]
                 if processes > 1 else [sys.executable])
-    return launcher + [SCRIPT, *pipeline_args(out, model_dir, data, "--target-gpus", "cpu", *extra)]
+    program = [SCRIPT] if fault_at is None else [FAULT, str(fault_at), "train"]
+    return launcher + [*program, *pipeline_args(out, model_dir, data, "--target-gpus", "cpu", *extra)]
 
 
-def start(out, model_dir, data, processes, *extra, **popen):
+def start(out, model_dir, data, processes, *extra, fault_at=None, **popen):
     # A session of its own, so that stop() ends the launcher and every process it started.
-    return subprocess.Popen(command(out, model_dir, data, processes, *extra), text=True, cwd=ROOT, env=ENV,
-                            start_new_session=True, **popen)
+    return subprocess.Popen(command(out, model_dir, data, processes, *extra, fault_at=fault_at), text=True, cwd=ROOT,
+                            env=ENV, start_new_session=True, **popen)
 
 
 def stop(p):
@@ -36,8 +37,8 @@ def stop(p):
         pass
 
 
-def run(out, model_dir, data, processes, *extra, timeout=600):
-    p = start(out, model_dir, data, processes, *extra, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+def run(out, model_dir, data, processes, *extra, timeout=600, fault_at=None):
+    p = start(out, model_dir, data, processes, *extra, fault_at=fault_at, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     try:
         stdout, stderr = p.communicate(timeout=timeout)
     finally:
@@ -75,7 +76,7 @@ def test_two_machines_resume_after_a_fault_as_if_uninterrupted(tmp_path, tiny_mo
     full, part = tmp_path / "full" / "out", tmp_path / "part" / "out"
     r = run(full, tiny_model_dir, data, 2, *steps)
     assert r.returncode == 0, r.stderr
-    r = run(part, tiny_model_dir, data, 2, *steps, "--fault-inject-step", "6")
+    r = run(part, tiny_model_dir, data, 2, *steps, fault_at=6)
     assert r.returncode != 0
     assert os.listdir(part / "checkpoints") == ["step_4"]
     r = run(part, tiny_model_dir, data, 2, *steps, "--resume", "auto")
@@ -89,7 +90,7 @@ def test_fault_on_one_machine_stops_every_machine(tmp_path, tiny_model_dir):
     t0 = time.time()
     # The fault is injected in the last worker of all: the second machine's.
     r = run(tmp_path / "out", tiny_model_dir, data, 2, "--drafter-gpus", "cpu", "--max-steps", "1000",
-            "--fault-inject-step", "3", timeout=180)
+            fault_at=3, timeout=180)
     assert r.returncode != 0
     assert "fault injected at step 3" in r.stdout + r.stderr
     assert time.time() - t0 < 180
@@ -125,10 +126,10 @@ def test_machines_that_disagree_are_refused():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    code = ("import os, sys, torch; sys.path.insert(0, sys.argv[1]); import train_dflash_pipeline as tp\n"
+    code = ("import os, sys, torch; sys.path.insert(0, sys.argv[1]); import train_dflash_pipeline as tp, chat_data\n"
             "cluster = tp.Cluster.from_env([torch.device('cpu')], 60)\n"
             "try:\n    cluster.check_same('the step to resume from', [int(os.environ['RANK']) * 4])\n"
-            "except tp.UsageError as e:\n    print('refused:', e)\n"
+            "except chat_data.UsageError as e:\n    print('refused:', e)\n"
             "cluster.close()\n")
     env = dict(ENV, WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     procs = [subprocess.Popen([sys.executable, "-c", code, ROOT], env=dict(env, RANK=str(r)), stdout=subprocess.PIPE,

@@ -6,6 +6,10 @@ import types
 import pytest
 import torch
 
+import chat_data
+import decoding
+import evaluation
+import flat_adamw
 import dflash_model as dm
 import train_dflash_pipeline as tp
 
@@ -21,18 +25,18 @@ def small_target_config():
 
 
 def make_worker(compile, seed=0, device="cuda:0", rank=0, averager=None, attention="triton", token_budget=ROWS * LENGTH):
-    args = tp.build_parser().parse_args(["--max-length", str(LENGTH), "--token-budget", str(token_budget),
-                                         "--num-anchors", "64", "--num-draft-layers", "2", "--lr", "3e-4"]
-                                        + (["--compile"] if compile else []))
+    args = tp.Settings.of_flags(["--max-length", str(LENGTH), "--token-budget", str(token_budget),
+                                 "--num-anchors", "64", "--num-draft-layers", "2", "--lr", "3e-4"]
+                                + (["--compile"] if compile else []),
+                                target_layer_ids=dm.default_target_layer_ids(8, 2), drafter_attention=attention)
     tc = small_target_config()
-    args.layer_ids, args.attention = dm.default_target_layer_ids(8, 2), attention
     torch.manual_seed(seed)
     cfg = dm.make_drafter_config(tc, mask_token_id=31999, num_draft_layers=2, block_size=16)
     drafter = dm.DFlashDraftModel(cfg).to(device).train()
     g = torch.Generator().manual_seed(99)
     embed = torch.nn.Embedding.from_pretrained((torch.randn(32000, 1024, generator=g) * 0.02).to(device, torch.bfloat16))
     drafter.set_target_parts(embed, (torch.randn(32000, 1024, generator=g) * 0.02).to(device, torch.bfloat16))
-    run = types.SimpleNamespace(lr_for_step=lambda step: 3e-4 * min(1.0, step / 5), features_dim=2 * 1024,
+    run = types.SimpleNamespace(lr_for_step=lambda step: 3e-4 * min(1.0, step / 5), target_hidden_size=2 * 1024,
                                 log=print)
     w = tp.DrafterWorker(rank, torch.device(device), drafter, args, averager or tp.GradAverager(1), run)
     return w
@@ -46,7 +50,7 @@ def batches(n, device="cuda:0", seed=5):
         doc[:, LENGTH // 3:] = 1
         doc[:, -20:] = -1
         pos = torch.cat([torch.arange(LENGTH // 3), torch.arange(LENGTH - LENGTH // 3)]).repeat(ROWS, 1)
-        out.append({"features": torch.randn(ROWS, LENGTH, 2048, generator=g).to(device, torch.bfloat16),
+        out.append({"target_hidden": torch.randn(ROWS, LENGTH, 2048, generator=g).to(device, torch.bfloat16),
                     "input_ids": torch.randint(0, 32000, (ROWS, LENGTH), generator=g).to(device),
                     "loss_mask": (torch.rand(ROWS, LENGTH, generator=g) > 0.3).float().to(device),
                     "doc_ids": doc.to(device), "position_ids": pos.to(device)})
@@ -127,13 +131,12 @@ def test_target_token_budget_that_does_not_fit_names_one_that_does(compile):
         model = AutoModelForCausalLM.from_config(small_target_config(), dtype=torch.bfloat16, attn_implementation="sdpa")
     replica = tp.TargetReplica(model.eval().requires_grad_(False), dm.default_target_layer_ids(8, 2), torch.device("cuda:0"))
     args = types.SimpleNamespace(token_budget=100_000 * LENGTH, max_length=LENGTH, compile=compile)
-    with pytest.raises(tp.UsageError, match="does not fit the target stage") as e:
+    with pytest.raises(chat_data.UsageError, match="does not fit the target stage") as e:
         tp.warm_up_target([replica], args, print)
     fits = suggested_budget(e.value)
     assert LENGTH <= fits < args.token_budget
     del e
-    args.token_budget = fits
-    tp.warm_up_target([replica], args, print)
+    tp.warm_up_target([replica], types.SimpleNamespace(**{**vars(args), "token_budget": fits}), print)
     assert (replica.graph is not None) == compile
 
 
@@ -181,7 +184,7 @@ def test_clipping_in_the_flat_adamw_equals_clipping_the_gradient():
     # gradient (no pass of its own): the update must be torch's for-loop AdamW's on the clipped
     # gradient. eps 1 and lr 1 make the update about the gradient itself, so an unclipped one differs.
     w = make_worker(compile=False)
-    w.args.grad_clip = 0.01
+    w.settings = w.settings.replace(grad_clip=0.01)
     w.optimizer.param_groups[0]["eps"] = 1.0
     w.lr.fill_(1.0)
     params = list(w.drafter.parameters())
@@ -189,13 +192,13 @@ def test_clipping_in_the_flat_adamw_equals_clipping_the_gradient():
     w.forward_backward([b[k] for k in tp.BATCH_KEYS] + [w.anchor_noise(1, torch.empty(ROWS, LENGTH, device="cuda"))])
     grad = w.flat_grad.float()  # bf16: what the matmuls write
     norm = grad.norm().item()
-    assert norm > 10 * w.args.grad_clip  # the clip is active
+    assert norm > 10 * w.settings.grad_clip  # the clip is active
     expected = {}
-    for name, coef in (("clipped", w.args.grad_clip / (norm + 1e-6)), ("unclipped", 1.0)):
+    for name, coef in (("clipped", w.settings.grad_clip / (norm + 1e-6)), ("unclipped", 1.0)):
         ps, at = [p.detach().clone().requires_grad_(True) for p in params], 0
         for p in ps:
             p.grad, at = grad[at:at + p.numel()].view_as(p) * coef, at + p.numel()
-        torch.optim.AdamW(ps, lr=1.0, weight_decay=w.args.weight_decay, eps=1.0, foreach=False).step()
+        torch.optim.AdamW(ps, lr=1.0, weight_decay=w.settings.weight_decay, eps=1.0, foreach=False).step()
         expected[name] = ps
     w.clip_and_update()
     # The worker's norm and the kernel's arithmetic round in another order than grad.norm() and
@@ -210,14 +213,14 @@ def test_the_gpu_step_reads_the_bf16_weights_the_optimizer_keeps():
     # cast of the fp32 ones: loss and gradients must be the plain drafter's under autocast, and
     # after every update (eager, then captured) the copy must be the new weights cast to bf16.
     w = make_worker(compile=False)
-    opt, a = w.optimizer, w.args
-    assert isinstance(opt, tp.FlatAdamW) and sum(bf16 is not None for *_, bf16 in w.grad_into) == 15
+    opt, a = w.optimizer, w.settings
+    assert isinstance(opt, flat_adamw.FlatAdamW) and sum(bf16 is not None for *_, bf16 in w.grad_into) == 15
     b = batches(1)[0]
     inputs = [b[k] for k in tp.BATCH_KEYS] + [w.anchor_noise(1, torch.empty(ROWS, LENGTH, device="cuda"))]
     params = list(w.drafter.parameters())
     with w.autocast():
         loss, _ = w.drafter(*inputs, num_anchors=a.num_anchors, gamma=a.loss_decay_gamma,
-                            ce_chunk_size=a.ce_chunk_size, attention=a.attention)
+                            ce_chunk_size=a.ce_chunk_size, attention=a.drafter_attention)
     want = torch.autograd.grad(loss, params)
     got, _ = w.forward_backward(inputs)
     torch.testing.assert_close(got, loss.detach())
@@ -237,7 +240,7 @@ def test_the_gpu_step_reads_the_bf16_weights_the_optimizer_keeps():
         w.set_lr(step)
         w.clip_and_update()
         assert torch.equal(opt.weight_bf16, opt.flat_param.to(torch.bfloat16))
-    assert [p.data_ptr() for p in params] == [v.data_ptr() for v in tp.flat_views(opt.flat_param, params)]
+    assert [p.data_ptr() for p in params] == [v.data_ptr() for v in flat_adamw.flat_views(opt.flat_param, params)]
     c = captured_worker()
     run_steps(c, batches(3))
     assert torch.equal(c.optimizer.weight_bf16, c.optimizer.flat_param.to(torch.bfloat16))
@@ -432,22 +435,22 @@ def test_batched_decoding_graphed_equals_eager_and_is_lossless():
     target = tiny_target(vocab=128, dtype=torch.bfloat16, init_std=0.15).to("cuda")
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(3, 128, (n,), generator=g).tolist() for n in (5, 300, 9, 70, 2, 33, 17)]
-    eager = dm.generate(target, prompts, 40, [1], batch_size=4, graph=False)
-    graphed = dm.generate(target, prompts, 40, [1], batch_size=4, graph=True)
+    eager = decoding.generate(target, prompts, 40, [1], batch_size=4, graph=False)
+    graphed = decoding.generate(target, prompts, 40, [1], batch_size=4, graph=True)
     assert graphed == eager
     cfg = dm.make_drafter_config(target.config, mask_token_id=127, num_draft_layers=1, block_size=8)
     torch.manual_seed(0)
     drafter = dm.DFlashDraftModel(cfg).to("cuda", torch.bfloat16).attach_target(target).eval()
     for d in (drafter, None):
-        spec = dm.speculative_generate(target, prompts, 40, [1], drafter=d, block_size=8, batch_size=4, graph=True)
-        assert spec == dm.speculative_generate(target, prompts, 40, [1], drafter=d, block_size=8, batch_size=4,
+        spec = decoding.speculative_generate(target, prompts, 40, [1], drafter=d, block_size=8, batch_size=4, graph=True)
+        assert spec == decoding.speculative_generate(target, prompts, 40, [1], drafter=d, block_size=8, batch_size=4,
                                                graph=False)
         # bf16: a block's verification rounds differently from one-token steps; outputs may part
         # only where the target's two choices are within rounding of each other
         for p, (s, _), (t, _) in zip(prompts, spec, eager):
             if s != t:
                 first = next(n for n, (a, b) in enumerate(zip(s, t)) if a != b)
-                assert tp.near_tie(target, p, t, s, first)[0], (first, s, t)
+                assert evaluation.near_tie(target, p, t, s, first)[0], (first, s, t)
 
 
 def test_flex_decoding_graphed_equals_eager_and_grouped_up_to_ties():
@@ -458,14 +461,14 @@ def test_flex_decoding_graphed_equals_eager_and_grouped_up_to_ties():
     target = tiny_target(vocab=128, dtype=torch.bfloat16, init_std=0.15).to("cuda")
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(3, 128, (n,), generator=g).tolist() for n in (5, 300, 9, 70, 2, 33, 17, 700, 140)]
-    eager = dm.generate(target, prompts, 40, [1], batch_size=4, graph=False, attention="flex")
-    graphed = dm.generate(target, prompts, 40, [1], batch_size=4, graph=True, attention="flex")
+    eager = decoding.generate(target, prompts, 40, [1], batch_size=4, graph=False, decode_attention="flex")
+    graphed = decoding.generate(target, prompts, 40, [1], batch_size=4, graph=True, decode_attention="flex")
     assert graphed == eager
-    grouped = dm.generate(target, prompts, 40, [1], batch_size=4, graph=True)
+    grouped = decoding.generate(target, prompts, 40, [1], batch_size=4, graph=True)
     for p, (f, _), (t, _) in zip(prompts, graphed, grouped):
         if f != t:
             first = next(n for n, (a, b) in enumerate(zip(f, t)) if a != b)
-            assert tp.near_tie(target, p, t, f, first)[0], (first, f, t)
+            assert evaluation.near_tie(target, p, t, f, first)[0], (first, f, t)
 
 
 @pytest.mark.parametrize("head_dim", [16, 128])
@@ -498,9 +501,9 @@ def test_flex_target_stage_equals_dense_graphed_and_eager(head_dim):
     exact = tp.TargetReplica(copy.deepcopy(model).float(), [1, 2], torch.device("cuda:0"), "dense")
 
     def check(replica, b):
-        ref = exact.features(b).float()
+        ref = exact.target_hidden(b).float()
         err = lambda x: ((x.float() - ref).norm() / ref.norm()).item()  # noqa: E731
-        got, base = err(replica.features(b).clone()), err(dense.features(b))
+        got, base = err(replica.target_hidden(b).clone()), err(dense.target_hidden(b))
         assert got <= 1.1 * base + 1e-3, (got, base)
 
     first, second = batch(1), batch(2)
@@ -523,17 +526,17 @@ def test_validation_gains_batched_gpu_attention_equal_dense_sdpa_per_row(attenti
     # gains are mostly 1), then the gains.
     b = batches(1)[0]
     w = make_worker(compile=False, attention=attention)
-    feats, ids, loss_mask, doc_ids, pos = [b[k] for k in tp.BATCH_KEYS]
+    hidden, ids, loss_mask, doc_ids, pos = [b[k] for k in tp.BATCH_KEYS]
     anchors = torch.arange(0, LENGTH, LENGTH // 64, device="cuda").repeat(ROWS, 1)
     with torch.no_grad(), w.autocast():
-        batched = w.drafter.block_hidden(feats, ids, doc_ids, pos, anchors, attention).float()
-        dense = torch.cat([w.drafter.block_hidden(feats[r:r + 1], ids[r:r + 1], doc_ids[r:r + 1], pos[r:r + 1],
+        batched = w.drafter.block_hidden(hidden, ids, doc_ids, pos, anchors, attention).float()
+        dense = torch.cat([w.drafter.block_hidden(hidden[r:r + 1], ids[r:r + 1], doc_ids[r:r + 1], pos[r:r + 1],
                                                   anchors[r:r + 1], "sdpa") for r in range(ROWS)]).float()
     err = ((batched - dense).norm() / dense.norm()).item()
     print(f"block hidden states, batched {attention} against per-row sdpa: relative error {err:.2e}")
     assert err < 1e-2
-    gains = w.accepted_lengths(feats, ids, loss_mask, doc_ids, pos)
-    w.args.attention = "sdpa"
-    alone = torch.cat([w.accepted_lengths(*[x[r:r + 1] for x in (feats, ids, loss_mask, doc_ids, pos)])
+    gains = w.accepted_lengths(hidden, ids, loss_mask, doc_ids, pos)
+    w.settings = w.settings.replace(drafter_attention="sdpa")
+    alone = torch.cat([w.accepted_lengths(*[x[r:r + 1] for x in (hidden, ids, loss_mask, doc_ids, pos)])
                        for r in range(ROWS)])
     assert gains.shape == (ROWS, LENGTH) and (gains == alone).float().mean() > 0.99  # a near tie may round either way

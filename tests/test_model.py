@@ -7,6 +7,9 @@ import pytest
 import torch
 from safetensors import safe_open
 
+import decoding
+import evaluation
+import target_model
 import dflash_model as dm
 from conftest import run_interpreted, tiny_target
 
@@ -29,23 +32,23 @@ def make_drafter(target, layers=2, block_size=4, seed=1):
 
 
 def target_features(target, ids, layer_ids):
-    with dm.capture_layer_outputs(target, layer_ids) as feats:
+    with target_model.collect_layer_outputs(target, layer_ids) as hidden:
         target(ids[None])
-    return torch.cat(feats, -1)[0]
+    return torch.cat(hidden, -1)[0]
 
 
 def packed_row(target, drafter, doc_lens, pad, seed=0):
     """One packed row of several documents: ids, doc ids, positions and target features, each
     document's features computed on its own (what the pipeline's target stage must produce)."""
     g = torch.Generator().manual_seed(seed)
-    ids, docs, pos, feats = [], [], [], []
+    ids, docs, pos, hidden = [], [], [], []
     for d, n in enumerate(doc_lens):
         t = torch.randint(0, target.config.vocab_size - 1, (n,), generator=g)
         ids.append(t); docs.append(torch.full((n,), d)); pos.append(torch.arange(n))
-        feats.append(target_features(target, t, drafter.target_layer_ids))
+        hidden.append(target_features(target, t, drafter.target_layer_ids))
     ids.append(torch.zeros(pad, dtype=torch.long)); docs.append(torch.full((pad,), -1))
-    pos.append(torch.zeros(pad, dtype=torch.long)); feats.append(torch.zeros(pad, feats[0].shape[1]))
-    return torch.cat(ids)[None], torch.cat(docs)[None], torch.cat(pos)[None], torch.cat(feats)[None]
+    pos.append(torch.zeros(pad, dtype=torch.long)); hidden.append(torch.zeros(pad, hidden[0].shape[1]))
+    return torch.cat(ids)[None], torch.cat(docs)[None], torch.cat(pos)[None], torch.cat(hidden)[None]
 
 
 def test_default_target_layer_ids():
@@ -142,17 +145,17 @@ def test_flex_backward_options_only_where_measured(monkeypatch):
 def test_target_stage_flex_forward_options_only_where_measured(monkeypatch):
     # The target stage's attention passes its forward tiles for the card (Hopper at head_dim 128,
     # measured faster with the same output: docs/benchmarks.md); the decoder's keeps inductor's.
-    assert dm.register_flex_attention(target_stage=True) == "dflash_flex_target"
-    assert dm.register_flex_attention() == "dflash_flex"
+    assert target_model.register_flex_attention(target_stage=True) == "dflash_flex_target"
+    assert target_model.register_flex_attention() == "dflash_flex"
     seen = []
-    monkeypatch.setattr(dm, "flex_attention_for_transformers", lambda *a, kernel_options=None, **kw: seen.append(kernel_options))
-    monkeypatch.setattr(dm, "hopper", lambda device: True)
+    monkeypatch.setattr(target_model, "flex_attention_for_transformers", lambda *a, kernel_options=None, **kw: seen.append(kernel_options))
+    monkeypatch.setattr(target_model, "hopper", lambda device: True)
     for head_dim in (128, 64):
         q = torch.zeros(1, 2, 4, head_dim)
-        dm.target_flex_attention(None, q, q, q, None, scaling=1.0)
-    monkeypatch.setattr(dm, "hopper", lambda device: False)
-    dm.target_flex_attention(None, q.new_zeros(1, 2, 4, 128), q, q, None)
-    assert seen == [dm.SM90_FLEX_TARGET, None, None]
+        target_model.target_flex_attention(None, q, q, q, None, scaling=1.0)
+    monkeypatch.setattr(target_model, "hopper", lambda device: False)
+    target_model.target_flex_attention(None, q.new_zeros(1, 2, 4, 128), q, q, None)
+    assert seen == [target_model.SM90_FLEX_TARGET, None, None]
 
 
 def test_flex_attention_path_equals_dense_path():
@@ -181,10 +184,10 @@ def test_training_forward_matches_inference(arch):
     gives when drafting at a after the target processed tokens < a (catches context leaks)."""
     target = tiny_target(arch)
     drafter = make_drafter(target)
-    ids, doc, pos, feats = packed_row(target, drafter, [11, 17, 9], pad=3)
+    ids, doc, pos, hidden = packed_row(target, drafter, [11, 17, 9], pad=3)
     starts = {0: 0, 1: 11, 2: 28}
     anchors = torch.tensor([[3, 10, 12, 20, 27, 29, 35]])  # several docs; blocks cross doc ends
-    train_logits = drafter.block_hidden(feats, ids, doc, pos, anchors) @ drafter.lm_head_weight.t()
+    train_logits = drafter.block_hidden(hidden, ids, doc, pos, anchors) @ drafter.lm_head_weight.t()
     for i, a in enumerate(anchors[0].tolist()):
         d = int(doc[0, a]); p = a - starts[d]
         prefix = ids[0, starts[d]:a]
@@ -201,7 +204,7 @@ def test_block_hidden_equals_every_slot_through_every_layer(layers):
     states and parameter gradients as every slot of every block run through every layer."""
     target = tiny_target()
     drafter = make_drafter(target, layers=layers)
-    ids, doc, pos, feats = packed_row(target, drafter, [11, 17, 9], pad=3)
+    ids, doc, pos, hidden = packed_row(target, drafter, [11, 17, 9], pad=3)
     anchors = torch.tensor([[3, 10, 12, 20, 27, 29, 35]])
     B, A, bs = 1, anchors.shape[1], drafter.block_size
     block_ids = torch.full((B, A, bs), drafter.mask_token_id)
@@ -210,10 +213,10 @@ def test_block_hidden_equals_every_slot_through_every_layer(layers):
     attend = dm.sdpa_attend(dm.dense_block_mask(anchors, doc, bs))
     x = drafter.embed_tokens(block_ids.view(B, A * bs))
     cos, sin = drafter.rotary_emb(x, block_pos)
-    for layer, (k, v) in zip(drafter.layers, drafter.context_kv(feats, pos)):
+    for layer, (k, v) in zip(drafter.layers, drafter.context_kv(hidden, pos)):
         x = layer(x, cos, sin, k, v, attend)
     want = drafter.norm(x).view(B, A, bs, -1)[:, :, 1:]
-    got = drafter.block_hidden(feats, ids, doc, pos, anchors)
+    got = drafter.block_hidden(hidden, ids, doc, pos, anchors)
     torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
     weights = torch.randn(want.shape, generator=torch.Generator().manual_seed(0))
     params = list(drafter.parameters())
@@ -226,8 +229,8 @@ def fp32_drafter_and_row():
     torch.set_default_dtype(torch.float32)
     target = tiny_target(dtype=torch.float32)
     drafter = make_drafter(target).float()
-    ids, doc, pos, feats = packed_row(target, drafter, [11, 17, 9], pad=3)
-    return drafter, (feats, ids, torch.ones_like(ids, dtype=torch.float32), doc, pos,
+    ids, doc, pos, hidden = packed_row(target, drafter, [11, 17, 9], pad=3)
+    return drafter, (hidden, ids, torch.ones_like(ids, dtype=torch.float32), doc, pos,
                      torch.rand(ids.shape, generator=torch.Generator().manual_seed(3)))
 
 
@@ -268,7 +271,7 @@ def test_context_leak_would_be_caught():
     """Sanity of the test above: letting a block see its anchor's own hidden state changes logits."""
     target = tiny_target()
     drafter = make_drafter(target)
-    ids, doc, pos, feats = packed_row(target, drafter, [20], pad=0)
+    ids, doc, pos, hidden = packed_row(target, drafter, [20], pad=0)
     a = 10
     f_ok = target_features(target, ids[0, :a], drafter.target_layer_ids)[None]
     f_leak = target_features(target, ids[0, :a + 1], drafter.target_layer_ids)[None]
@@ -280,14 +283,14 @@ def test_context_leak_would_be_caught():
 def test_loss_weights_and_normalisation_by_hand():
     target = tiny_target()
     drafter = make_drafter(target, block_size=4)
-    ids, doc, pos, feats = packed_row(target, drafter, [8, 6], pad=2)
+    ids, doc, pos, hidden = packed_row(target, drafter, [8, 6], pad=2)
     L = ids.shape[1]
     loss_mask = torch.ones(1, L); loss_mask[0, :3] = 0; loss_mask[0, 12] = 0; loss_mask[0, 14:] = 0
     noise = torch.zeros(1, L); noise[0, 5] = 0.9; noise[0, 10] = 0.8; noise[0, 6] = 0.7
     gamma = 2.0
-    loss, stats = drafter(feats, ids, loss_mask, doc, pos, noise, num_anchors=3, gamma=gamma, ce_chunk_size=5)
+    loss, stats = drafter(hidden, ids, loss_mask, doc, pos, noise, num_anchors=3, gamma=gamma, ce_chunk_size=5)
     anchors = torch.tensor([[5, 6, 10]])
-    logits = (drafter.block_hidden(feats, ids, doc, pos, anchors) @ drafter.lm_head_weight.t())[0]  # [3, slots 1..3, V]
+    logits = (drafter.block_hidden(hidden, ids, doc, pos, anchors) @ drafter.lm_head_weight.t())[0]  # [3, slots 1..3, V]
     num = den = 0.0
     for i, a in enumerate([5, 6, 10]):
         for k in range(1, 4):
@@ -307,9 +310,9 @@ def test_loss_weights_and_normalisation_by_hand():
 def test_too_few_valid_positions_get_zero_weight():
     target = tiny_target()
     drafter = make_drafter(target)
-    ids, doc, pos, feats = packed_row(target, drafter, [6], pad=10)
+    ids, doc, pos, hidden = packed_row(target, drafter, [6], pad=10)
     mask = (doc >= 0).double()
-    loss, stats = drafter(feats, ids, mask, doc, pos, torch.rand(1, 16), num_anchors=12)
+    loss, stats = drafter(hidden, ids, mask, doc, pos, torch.rand(1, 16), num_anchors=12)
     assert torch.isfinite(loss)
     assert float(stats[2]) == 5  # positions 0..4 are the only valid anchors
 
@@ -455,27 +458,27 @@ def test_triton_block_attention_matches_dense_mask_interpreted():
 @pytest.mark.parametrize("heads_per_kv,rows", [(4, 64), (4, 128), (2, 128)])
 def test_block_attention_kernels_compile_for_hopper(heads_per_kv, rows, monkeypatch):
     # Triton's GPU compiler, down to ptxas (which triton ships), runs without a GPU: a kernel the
-    # interpreter runs may still fail to compile, which otherwise only a GPU session finds. One
+    # interpreter runs may still fail to compile, which otherwise only a GPU run finds. One
     # block a program (4 heads x 16 slots in 64 rows), then 2 and 4 blocks. Under Triton 3.10's
     # default (what TRITON_DEFAULT_FP_FUSION=0 gives on 3.9) a kernel has no fused multiply-adds
     # unless its launch asks; dm.TRITON_OPTIONS asks, so the kernels stay as tuned.
     pytest.importorskip("triton")
-    from scripts.experiments.hopper_compile import compile_block_attention
+    from scripts.tune_kernels import compile_block_attention
     monkeypatch.setenv("TRITON_DEFAULT_FP_FUSION", "0")
     program = dm._program_rows(rows, heads_per_kv, 16, 128)
     assert program["P"] == rows // (heads_per_kv * 16) and program["BLOCK_M"] == rows
-    for name, compiled in compile_block_attention(dm, heads_per_kv, rows).items():
+    for name, compiled in compile_block_attention(heads_per_kv, rows).items():
         assert f".entry {name}" in compiled.asm["ptx"] and compiled.asm["cubin"], name
         assert compiled.metadata.enable_fp_fusion and "fma.rn.f32" in compiled.asm["ptx"], name
 
 
 def test_every_triton_launch_passes_the_options():
-    # Each launch `kernel[grid](...)` of a @triton.jit function in the two main modules passes
+    # Each launch `kernel[grid](...)` of a @triton.jit function in the project's modules passes
     # **TRITON_OPTIONS (read from the source: launching needs a GPU).
     import ast
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     launches = []  # (kernel, how many times that launch passes **TRITON_OPTIONS), one a launch
-    for path in ("dflash_model.py", "train_dflash_pipeline.py"):
+    for path in ("dflash_model.py", "flat_adamw.py"):
         with open(os.path.join(root, path)) as f:
             tree = ast.parse(f.read())
         kernels = {f.name for f in ast.walk(tree) if isinstance(f, ast.FunctionDef)
@@ -517,10 +520,10 @@ def test_save_load_round_trip(tmp_path):
         expected |= {f"layers.{i}.{p}_layernorm.weight" for p in ("input", "post_attention")}
     assert names == expected
     loaded = dm.DFlashDraftModel.from_pretrained(tmp_path, dtype=torch.float64).attach_target(target)
-    ids, doc, pos, feats = packed_row(target, drafter, [12], pad=0)
+    ids, doc, pos, hidden = packed_row(target, drafter, [12], pad=0)
     anchors = torch.tensor([[2, 7]])
-    torch.testing.assert_close(loaded.block_hidden(feats, ids, doc, pos, anchors),
-                               drafter.block_hidden(feats, ids, doc, pos, anchors))
+    torch.testing.assert_close(loaded.block_hidden(hidden, ids, doc, pos, anchors),
+                               drafter.block_hidden(hidden, ids, doc, pos, anchors))
 
 
 def test_rope_scaling_written_top_level(tmp_path):
@@ -560,7 +563,7 @@ def test_speculative_decoding_is_lossless(right):
     prompt = torch.randint(0, 299, (1, 7), generator=torch.Generator().manual_seed(3))
     truth = hf_greedy(target, prompt, 30)
     drafter.draft_logits = OracleDrafter(drafter, truth, prompt.shape[1], right)
-    (out, acc), = dm.speculative_generate(target, prompt.tolist(), 30, drafter=drafter, batch_size=1, graph=False)
+    (out, acc), = decoding.speculative_generate(target, prompt.tolist(), 30, drafter=drafter, batch_size=1, graph=False)
     assert out == truth
     assert sum(acc) + 1 >= len(out)
     if right >= 3:  # every draft right: bs tokens per target forward
@@ -586,8 +589,8 @@ def test_speculative_rows_that_finish_first_stay_inside_their_cache_slots():
             p[rnd.randrange(len(p))] = rnd.randrange(V)
         prompts.append(p)
     prompts.append([rnd.randrange(V) for _ in range(200)])
-    outs = dm.speculative_generate(target, prompts, 48, (), block_size=16, batch_size=4, graph=False)
-    assert [o for o, _ in outs] == [t for t, _ in dm.generate(target, prompts, 48, (), 4, graph=False)]
+    outs = decoding.speculative_generate(target, prompts, 48, (), block_size=16, batch_size=4, graph=False)
+    assert [o for o, _ in outs] == [t for t, _ in decoding.generate(target, prompts, 48, (), 4, graph=False)]
     assert len({len(gains) for _, gains in outs}) > 1  # the rows took different numbers of steps
 
 
@@ -597,7 +600,7 @@ def test_speculative_decoding_stops_at_stop_token():
     prompt = torch.randint(0, 299, (1, 5), generator=torch.Generator().manual_seed(4))
     truth = hf_greedy(target, prompt, 20)
     stop = truth[6]
-    (out, _), = dm.speculative_generate(target, prompt.tolist(), 20, [stop], drafter=drafter, batch_size=1, graph=False)
+    (out, _), = decoding.speculative_generate(target, prompt.tolist(), 20, [stop], drafter=drafter, batch_size=1, graph=False)
     assert out == hf_greedy(target, prompt, 20, stop)
     assert out[-1] == stop and len(out) <= 7
 
@@ -610,14 +613,14 @@ def test_batched_decoding_equals_transformers_generate_and_per_row_speculation()
         target = tiny_target(arch=arch, dtype=torch.float32, init_std=0.15, vocab=128)
         g = torch.Generator().manual_seed(0)
         prompts = [torch.randint(3, 128, (n,), generator=g).tolist() for n in (5, 17, 9, 30, 2)]
-        greedy = dm.generate(target, prompts, 20, [1], batch_size=3, graph=False)
+        greedy = decoding.generate(target, prompts, 20, [1], batch_size=3, graph=False)
         drafter = make_drafter(target, block_size=4)
-        batched = dm.speculative_generate(target, prompts, 20, [1], drafter=drafter, batch_size=3, graph=False)
-        lookup = dm.speculative_generate(target, prompts, 20, [1], block_size=4, batch_size=2, graph=False)
+        batched = decoding.speculative_generate(target, prompts, 20, [1], drafter=drafter, batch_size=3, graph=False)
+        lookup = decoding.speculative_generate(target, prompts, 20, [1], block_size=4, batch_size=2, graph=False)
         for p, (tokens, reason), (spec, gains), (look, _) in zip(prompts, greedy, batched, lookup):
             assert tokens == hf_greedy(target, torch.tensor([p]), 20, 1) == spec == look
             assert reason == ("stop" if tokens[-1] == 1 else "length")
-            (alone, alone_gains), = dm.speculative_generate(target, [p], 20, [1], drafter=drafter, batch_size=1,
+            (alone, alone_gains), = decoding.speculative_generate(target, [p], 20, [1], drafter=drafter, batch_size=1,
                                                             graph=False)
             assert alone == spec and alone_gains == gains
 
@@ -635,13 +638,13 @@ def test_finished_rows_are_refilled_and_decode_as_transformers_does(monkeypatch,
     # the stop id: a token that ends some replies early and others late or never
     stop = max(range(128), key=lambda t: len({min(f.index(t), 40) if t in f else 40 for f in free}))
     refills = []
-    real = dm.BatchDecoder.prefill
-    monkeypatch.setattr(dm.BatchDecoder, "prefill",
+    real = decoding.BatchDecoder.prefill
+    monkeypatch.setattr(decoding.BatchDecoder, "prefill",
                         lambda self, ps, rows=None: refills.append(rows) or real(self, ps, rows))
     decoders = []
-    real_init = dm.BatchDecoder.__init__
-    monkeypatch.setattr(dm.BatchDecoder, "__init__", lambda self, *a, **k: decoders.append(1) or real_init(self, *a, **k))
-    out = dm.generate(target, prompts, 40, [stop], batch_size=4, graph=False, attention=attention)
+    real_init = decoding.BatchDecoder.__init__
+    monkeypatch.setattr(decoding.BatchDecoder, "__init__", lambda self, *a, **k: decoders.append(1) or real_init(self, *a, **k))
+    out = decoding.generate(target, prompts, 40, [stop], batch_size=4, graph=False, decode_attention=attention)
     assert [t for t, _ in out] == [hf_greedy(target, torch.tensor([p]), 40, stop) for p in prompts]
     assert any(r is not None and len(r) < 4 for r in refills), refills  # a partial refill happened
     ends = {len(t) for t, _ in out}
@@ -660,7 +663,7 @@ def test_decode_block_mask_is_the_rule_tile_by_tile():
     verified = torch.randint(0, S - q - 10, (B,), generator=g)
     live = torch.rand(B, generator=g) > 0.25
     live[0] = False
-    mask = dm.decode_block_mask(pad, verified, live, q, S, tile=tile)
+    mask = decoding.decode_block_mask(pad, verified, live, q, S, tile=tile)
     slot, i = torch.arange(S), torch.arange(q)
     rule = (slot[None, None] >= pad[:, None, None]) & (slot[None, None] <= (pad + verified)[:, None, None] + i[None, :, None])
     rule &= live[:, None, None]
@@ -682,13 +685,13 @@ def test_grouped_decoding_attention_equals_the_models_own(monkeypatch):
     logits of transformers' own attention, at one token and at a block, rows of mixed lengths."""
     target = tiny_target(dtype=torch.float64, init_std=0.15, vocab=128)  # 4 query heads share 2 KV heads
     calls = []
-    real = dm.grouped_attention
-    monkeypatch.setattr(dm, "grouped_attention", lambda *a, **k: calls.append(1) or real(*a, **k))
-    dm._register_grouped_attention.cache_clear()
+    real = decoding.grouped_attention
+    monkeypatch.setattr(decoding, "grouped_attention", lambda *a, **k: calls.append(1) or real(*a, **k))
+    decoding._register_grouped_attention.cache_clear()
     prompts = [[5, 6, 7, 8, 9], [10, 11], [12, 13, 14]]
     outs = []
     for attention in ("grouped", "model"):
-        d = dm.BatchDecoder(target, 3, 32, attention=attention)
+        d = decoding.BatchDecoder(target, 3, 32, decode_attention=attention)
         first, _ = d.prefill(prompts)
         one, _ = d.step(first.argmax(-1)[:, None])
         d.advance(torch.ones(3, dtype=torch.long))
@@ -697,7 +700,7 @@ def test_grouped_decoding_attention_equals_the_models_own(monkeypatch):
     assert calls and target.config._attn_implementation == "sdpa"  # used while decoding, restored after
     for a, b in zip(*outs):
         torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-9)
-    dm._register_grouped_attention.cache_clear()
+    decoding._register_grouped_attention.cache_clear()
 
 
 def test_flex_decoding_attention_equals_grouped():
@@ -710,7 +713,7 @@ def test_flex_decoding_attention_equals_grouped():
     block = torch.randint(3, 128, (4, 5), generator=g)
     outs = []
     for attention in ("grouped", "flex"):
-        d = dm.BatchDecoder(target, 4, 512, attention=attention)
+        d = decoding.BatchDecoder(target, 4, 512, decode_attention=attention)
         with torch.no_grad():  # as generate runs it (flex_attention has no backward on the CPU)
             first, _ = d.prefill(prompts)
             one, _ = d.step(first.argmax(-1)[:, None])
@@ -729,13 +732,13 @@ def test_flex_decoding_attention_equals_grouped():
 def test_sampling_is_seeded_and_respects_top_p():
     target = tiny_target(dtype=torch.float32, init_std=0.15, vocab=128)
     prompts = [[5, 6, 7], [9, 10]]
-    a = dm.generate(target, prompts, 12, (), temperature=1.0, top_p=0.9, seed=3, graph=False)
-    assert a == dm.generate(target, prompts, 12, (), temperature=1.0, top_p=0.9, seed=3, graph=False)
-    assert a != dm.generate(target, prompts, 12, (), temperature=1.0, top_p=0.9, seed=4, graph=False)
+    a = decoding.generate(target, prompts, 12, (), temperature=1.0, top_p=0.9, seed=3, graph=False)
+    assert a == decoding.generate(target, prompts, 12, (), temperature=1.0, top_p=0.9, seed=3, graph=False)
+    assert a != decoding.generate(target, prompts, 12, (), temperature=1.0, top_p=0.9, seed=4, graph=False)
     logits = torch.tensor([[0.0, 5.0, 4.9, -9.0]])
-    picks = {int(dm.pick_tokens(logits, 1.0, 0.5, torch.Generator().manual_seed(s))) for s in range(50)}
+    picks = {int(decoding.pick_tokens(logits, 1.0, 0.5, torch.Generator().manual_seed(s))) for s in range(50)}
     assert picks == {1}  # token 1 alone holds over half the mass
-    assert dm.pick_tokens(logits).tolist() == [1]
+    assert decoding.pick_tokens(logits).tolist() == [1]
 
 
 def test_training_step_compiles_fullgraph_and_its_trace_does_not_grow_with_chunks():
@@ -743,12 +746,12 @@ def test_training_step_compiles_fullgraph_and_its_trace_does_not_grow_with_chunk
     # time grow with the chunk count. Compiled, the step gives the eager loss and gradients.
     target = tiny_target(dtype=torch.float32)
     drafter = make_drafter(target).float().train()
-    ids, doc, pos, feats = packed_row(target, drafter, [20, 12], pad=0)
-    feats, mask, noise = feats.detach().float(), torch.ones(1, 32), torch.rand(1, 32)
+    ids, doc, pos, hidden = packed_row(target, drafter, [20, 12], pad=0)
+    hidden, mask, noise = hidden.detach().float(), torch.ones(1, 32), torch.rand(1, 32)
 
     def loss_and_grads(step, chunk):
         drafter.zero_grad()
-        loss, stats = step(feats, ids, mask, doc, pos, noise, num_anchors=8, ce_chunk_size=chunk)
+        loss, stats = step(hidden, ids, mask, doc, pos, noise, num_anchors=8, ce_chunk_size=chunk)
         loss.backward()
         return loss.detach(), [p.grad.clone() for p in drafter.parameters()]
 
@@ -775,12 +778,12 @@ def test_compiled_step_computes_rope_cos_sin_once_per_position():
     torch._dynamo.reset()
     target = tiny_target(dtype=torch.float32)
     drafter = make_drafter(target).float().train()
-    ids, doc, pos, feats = packed_row(target, drafter, [20, 12], pad=0)
-    feats, mask, noise = feats.detach().float(), torch.ones(1, 32), torch.rand(1, 32)
+    ids, doc, pos, hidden = packed_row(target, drafter, [20, 12], pad=0)
+    hidden, mask, noise = hidden.detach().float(), torch.ones(1, 32), torch.rand(1, 32)
 
     def loss_and_grads(step):
         drafter.zero_grad()
-        loss, _ = step(feats, ids, mask, doc, pos, noise, num_anchors=8)
+        loss, _ = step(hidden, ids, mask, doc, pos, noise, num_anchors=8)
         loss.backward()
         return loss.detach(), [p.grad.clone() for p in drafter.parameters()]
     want = loss_and_grads(drafter)
@@ -796,37 +799,36 @@ def test_flex_training_forward_compiles_fullgraph_and_matches_sdpa():
     torch._dynamo.reset()
     target = tiny_target(dtype=torch.float32)
     drafter = make_drafter(target).float().eval()
-    ids, doc, pos, feats = packed_row(target, drafter, [150, 90], pad=10)
-    feats, L = feats.float(), ids.shape[1]
+    ids, doc, pos, hidden = packed_row(target, drafter, [150, 90], pad=10)
+    hidden, L = hidden.float(), ids.shape[1]
     mask, noise = (doc >= 0).float(), torch.rand(1, L, dtype=torch.float32)
     with torch.no_grad():
-        want, _ = drafter(feats, ids, mask, doc, pos, noise, num_anchors=40, attention="sdpa")
+        want, _ = drafter(hidden, ids, mask, doc, pos, noise, num_anchors=40, attention="sdpa")
         step = torch.compile(drafter, fullgraph=True)
-        got, _ = step(feats, ids, mask, doc, pos, noise, num_anchors=40, attention="flex")
+        got, _ = step(hidden, ids, mask, doc, pos, noise, num_anchors=40, attention="flex")
     torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
 
 
 def test_length_batches_keep_the_cache_within_its_budget():
     prompts = [[0] * n for n in (5, 300, 9, 70, 2, 33)]
-    slots_of = lambda n: dm.slots_for(n, 64)
-    wide = dm.length_batches(prompts, 4, slots_of, 1, float("inf"))
+    slots_of = lambda n: decoding.slots_for(n, 64)
+    wide = decoding.length_batches(prompts, 4, slots_of, 1, float("inf"))
     assert [b[0] for b in wide] == [[4, 0, 2, 5], [3, 1]]  # by length
     assert [(b[1], b[2]) for b in wide] == [(4, 320), (4, 576)]
     # a budget of 1000 slot-rows: 4 x 320 does not fit, 2 x 320 does; 576 slots only one row at a time
-    tight = dm.length_batches(prompts, 4, slots_of, 1, 1000)
+    tight = decoding.length_batches(prompts, 4, slots_of, 1, 1000)
     assert [b[0] for b in tight] == [[4, 0], [2, 5], [3], [1]]
     assert sorted(i for b in tight for i in b[0]) == list(range(6))
 
 
 def test_near_tie_tells_rounding_from_a_wrong_token():
-    import train_dflash_pipeline as tp
     from conftest import counter_target
     target = counter_target(16)
     # the counter target's next token after 3 is 4, by a wide margin over 9
-    assert tp.near_tie(target, [1, 2, 3], [4], [9], 0)[0] is False
+    assert evaluation.near_tie(target, [1, 2, 3], [4], [9], 0)[0] is False
     with torch.no_grad():
         target.lm_head.weight[9] = target.lm_head.weight[4]  # tokens 4 and 9 now score the same
-    assert tp.near_tie(target, [1, 2, 3], [4], [9], 0) == (True, 0.0)
+    assert evaluation.near_tie(target, [1, 2, 3], [4], [9], 0) == (True, 0.0)
 
 
 def test_near_tie_is_rounding_at_the_scale_of_the_rows_logits():
@@ -834,7 +836,6 @@ def test_near_tie_is_rounding_at_the_scale_of_the_rows_logits():
     (the hidden state's rounding moves every logit by up to a few units at that scale); 1.0 apart
     they are not."""
     import types
-    import train_dflash_pipeline as tp
 
     class Fixed(torch.nn.Module):
         def __init__(self, row):
@@ -847,9 +848,9 @@ def test_near_tie_is_rounding_at_the_scale_of_the_rows_logits():
 
     row = torch.zeros(8, dtype=torch.bfloat16)
     row[0], row[1], row[2] = 20.0, 0.5, 0.53
-    assert tp.near_tie(Fixed(row), [5], [1], [2], 0)[0] is True
+    assert evaluation.near_tie(Fixed(row), [5], [1], [2], 0)[0] is True
     row[2] = 1.5
-    assert tp.near_tie(Fixed(row), [5], [1], [2], 0)[0] is False
+    assert evaluation.near_tie(Fixed(row), [5], [1], [2], 0)[0] is False
 
 
 def counter_drafter():
@@ -865,9 +866,9 @@ def counter_drafter():
     g = torch.Generator().manual_seed(0)
     for _ in range(150):
         ids = (torch.randint(0, V, (4, 1), generator=g) + torch.arange(32)) % V
-        with torch.no_grad(), dm.capture_layer_outputs(target, drafter.target_layer_ids) as feats:
+        with torch.no_grad(), target_model.collect_layer_outputs(target, drafter.target_layer_ids) as hidden:
             target(ids)
-        loss, _ = drafter(torch.cat(feats, -1), ids, torch.ones(4, 32), torch.zeros_like(ids),
+        loss, _ = drafter(torch.cat(hidden, -1), ids, torch.ones(4, 32), torch.zeros_like(ids),
                           torch.arange(32).expand(4, 32), torch.rand(4, 32, generator=g), num_anchors=8)
         opt.zero_grad()
         loss.backward()
@@ -880,13 +881,12 @@ def test_decoding_replayed_over_teacher_forced_taus_gives_the_measured_gains():
     output, replayed as greedy decoding would visit them, give the gains that real speculative
     decoding (the inference path: KV cache, draft_logits) measured, block for block, but for the
     last block of each answer (its drafts past the end are unknown to the replay)."""
-    import train_dflash_pipeline as tp
     target, drafter = counter_drafter()
     prompts = [[5, 6, 7], [20, 21], [40, 41, 42, 43]]
-    measured = dm.speculative_generate(target, prompts, 30, (), drafter=drafter, batch_size=2, graph=False)
+    measured = decoding.speculative_generate(target, prompts, 30, (), drafter=drafter, batch_size=2, graph=False)
     seen = set()
     for p, (out, gains) in zip(prompts, measured):
-        _, replayed = tp.teacher_forced_gains(target, drafter, torch.tensor([p]), out)
+        _, replayed = evaluation.teacher_forced_gains(target, drafter, torch.tensor([p]), out)
         assert replayed[:-1] == gains[:-1] and replayed[-1] <= gains[-1], (replayed, gains)
         seen |= set(gains)
     assert len(seen) >= 3 and max(seen) == 6, seen  # gains of several sizes, some whole blocks
@@ -897,7 +897,6 @@ def test_validation_replay_over_a_packed_row_equals_the_evaluations_replay_per_a
     second user turn untrained, padding) the gains equal those the evaluation path replays for
     each answer alone, given everything before it in its document as the prompt (the test above
     ties that path to real decoding). num_anchors 7 leaves a part-filled last chunk."""
-    import train_dflash_pipeline as tp
     target, drafter = counter_drafter()
     V = target.config.vocab_size
     greedy = lambda last, n: [(last + 1 + k) % V for k in range(n)]  # noqa: E731  (the counter's answers)
@@ -927,23 +926,23 @@ def test_validation_replay_over_a_packed_row_equals_the_evaluations_replay_per_a
 
     def everywhere(rows):
         ids = torch.tensor([r["input_ids"] for r in rows])
-        with torch.no_grad(), dm.capture_layer_outputs(target, drafter.target_layer_ids) as feats:
+        with torch.no_grad(), target_model.collect_layer_outputs(target, drafter.target_layer_ids) as hidden:
             target(ids)  # the counter target's layer outputs do not depend on the context: packing is exact
         packing = tuple(torch.tensor([r[k] for r in rows]) for k in ("loss_mask", "doc_ids", "position_ids"))
         packing = (packing[0].float(),) + packing[1:]
-        return ids, torch.cat(feats, -1), packing, tp.accepted_lengths_everywhere(drafter, torch.cat(feats, -1), ids, *packing, 7)
+        return ids, torch.cat(hidden, -1), packing, evaluation.accepted_lengths_everywhere(drafter, torch.cat(hidden, -1), ids, *packing, 7)
 
     row, other = packed_row(docs), packed_row(docs[::-1])
-    ids, feats, packing, taus = everywhere([row])
+    ids, hidden, packing, taus = everywhere([row])
     taus = taus[0]
     # rows batched together (as the validation batches them) each get what they get alone
     both = everywhere([row, other])[3]
     assert both[0].tolist() == taus.tolist() and both[1].tolist() == everywhere([other])[3][0].tolist()
     # slot by slot as accepted_lengths takes them = the training step's figures (every slot's logits)
     every = torch.arange(L)[None]
-    _, correct, ok = drafter.block_predictions(feats, ids, *packing, every, torch.ones_like(every).bool())
+    _, correct, ok = drafter.block_predictions(hidden, ids, *packing, every, torch.ones_like(every).bool())
     assert taus.tolist() == (1 + (correct & ok).long().cumprod(-1).sum(-1))[0].tolist()
-    answers = tp.replayed_over_answers(lambda p, end: taus[p].item(), row["loss_mask"], row["doc_ids"])
+    answers = evaluation.replayed_over_answers(lambda p, end: taus[p].item(), row["loss_mask"], row["doc_ids"])
     assert [first for _, first in answers] == [True, True, False, True, True]  # doc 1 has two answers
     packed = [g for gains, _ in answers for g in gains]
     alone = []
@@ -956,10 +955,10 @@ def test_validation_replay_over_a_packed_row_equals_the_evaluations_replay_per_a
             e = s
             while e < len(ids_doc) and trained[e]:
                 e += 1
-            alone += tp.teacher_forced_gains(target, drafter, torch.tensor([ids_doc[:s]], dtype=torch.long), ids_doc[s:e])[1]
+            alone += evaluation.teacher_forced_gains(target, drafter, torch.tensor([ids_doc[:s]], dtype=torch.long), ids_doc[s:e])[1]
             s = e
     assert packed == alone, (packed, alone)
     answers = (20, 11, 17, 9, 8)  # each replay covers its answer: it stops at n - 1 or n tokens
     assert sum(n - 1 for n in answers) <= sum(packed) <= sum(answers) and len(set(packed)) >= 3, packed
     # two answers side by side in two documents are two replays, each with its first token given
-    assert tp.replayed_over_answers(lambda p, end: 1, [1] * 6, [0, 0, 0, 1, 1, 1]) == [([1, 1], True), ([1, 1], True)]
+    assert evaluation.replayed_over_answers(lambda p, end: 1, [1] * 6, [0, 0, 0, 1, 1, 1]) == [([1, 1], True), ([1, 1], True)]

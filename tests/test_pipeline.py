@@ -11,9 +11,15 @@ import types
 import pytest
 import torch
 
+import chat_data
+import demo_assets
+import evaluation
+import regeneration
+import target_model
 import dflash_model as dm
 import train_dflash_pipeline as tp
 from conftest import run_interpreted, tiny_tokenizer, write_jsonl
+from fault_inject import faulty_train_step
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WORDS = "the cat sat on a mat and then it ran to see the dog who was very happy".split()
@@ -33,6 +39,7 @@ def chat_rows(n, seed=0):
 
 
 SCRIPT = os.path.join(ROOT, "train_dflash_pipeline.py")
+FAULT = os.path.join(ROOT, "tests", "fault_inject.py")  # the trainer with a worker that fails at a step
 
 
 def pipeline_args(out, model_dir, data, *extra):
@@ -42,8 +49,9 @@ def pipeline_args(out, model_dir, data, *extra):
             "--block-size", "4", "--num-draft-layers", "2", "--lr", "1e-2", "--eval-prompts", "0", *extra]
 
 
-def run_cli(tmp_path, model_dir, data, *extra, timeout=600):
-    cmd = [sys.executable, SCRIPT, *pipeline_args(tmp_path / "out", model_dir, data, *extra)]
+def run_cli(tmp_path, model_dir, data, *extra, timeout=600, fault_at=None):
+    program = [SCRIPT] if fault_at is None else [FAULT, str(fault_at), "train"]
+    cmd = [sys.executable, *program, *pipeline_args(tmp_path / "out", model_dir, data, *extra)]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
 
 
@@ -102,7 +110,7 @@ def test_resume_equals_uninterrupted(tmp_path, tiny_model_dir):
     assert r.returncode == 0, r.stderr
     part = tmp_path / "part"; part.mkdir()
     r = run_cli(part, tiny_model_dir, data, *common[:-4], "--max-steps", "8", "--log-interval", "1",
-                "--save-interval", "4", "--fault-inject-step", "6")
+                "--save-interval", "4", fault_at=6)
     assert r.returncode != 0
     assert sorted(os.listdir(part / "out" / "checkpoints")) == ["step_4"]
     r = run_cli(part, tiny_model_dir, data, *common, "--resume", "auto")
@@ -122,7 +130,7 @@ def test_fault_in_worker_stops_run_promptly(tmp_path, tiny_model_dir):
     data = write_jsonl(tmp_path / "d.jsonl", chat_rows(40))
     t0 = time.time()
     r = run_cli(tmp_path, tiny_model_dir, data, "--target-gpus", "cpu", "--drafter-gpus", "cpu,cpu",
-                "--max-steps", "1000", "--fault-inject-step", "3", timeout=120)
+                "--max-steps", "1000", fault_at=3, timeout=120)
     assert r.returncode == 1
     assert "fault injected at step 3" in r.stderr and "Traceback" in r.stderr
     assert time.time() - t0 < 120
@@ -172,7 +180,7 @@ def test_assistant_only_loss_mask():
     tok = tiny_tokenizer()
     msgs = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"},
             {"role": "user", "content": "q"}, {"role": "assistant", "content": "ab"}]
-    (ids, mask), = tp.conversation_documents(tok, msgs, 128, {}, tp.DocumentStats(), "test")
+    (ids, mask), = chat_data.conversation_documents(tok, msgs, 128, {}, chat_data.DocumentStats(), "test")
     text = "".join(tok.convert_ids_to_tokens(i) for i, m in zip(ids, mask) if m)
     assert text == "yo<|end|>ab<|end|>"
 
@@ -236,7 +244,7 @@ def test_packed_documents_do_not_see_each_other(tiny_model_dir, attention, lengt
     """The target stage gives a document the same features packed with others as alone (flex:
     in the BlockMask's tiles for the CPU, 128, and in Hopper's, 64)."""
     replicas, _, _ = tp.load_target_replicas(tiny_model_dir, [torch.device("cpu")], [1, 3], log=lambda *a: None,
-                                             attention=attention)
+                                             target_attention=attention)
     rep = replicas[0]
     if mask_tile:
         rep.mask_tile = mask_tile
@@ -245,10 +253,10 @@ def test_packed_documents_do_not_see_each_other(tiny_model_dir, attention, lengt
     ids = torch.cat(docs + [torch.zeros(4, dtype=torch.long)])[None]
     doc_ids = torch.cat([torch.full((len(d),), i) for i, d in enumerate(docs)] + [torch.full((4,), -1)])[None]
     pos = torch.cat([torch.arange(len(d)) for d in docs] + [torch.zeros(4, dtype=torch.long)])[None]
-    packed = rep.features({"input_ids": ids, "doc_ids": doc_ids, "position_ids": pos})
+    packed = rep.target_hidden({"input_ids": ids, "doc_ids": doc_ids, "position_ids": pos})
     at = 0
     for d in docs:
-        alone = rep.features({"input_ids": d[None], "doc_ids": torch.zeros(1, len(d), dtype=torch.long),
+        alone = rep.target_hidden({"input_ids": d[None], "doc_ids": torch.zeros(1, len(d), dtype=torch.long),
                               "position_ids": torch.arange(len(d))[None]})
         torch.testing.assert_close(packed[0, at:at + len(d)], alone[0], rtol=1e-4, atol=1e-4)
         at += len(d)
@@ -256,17 +264,17 @@ def test_packed_documents_do_not_see_each_other(tiny_model_dir, attention, lengt
 
 
 def test_target_stage_block_mask_takes_the_flex_kernel_tiles_for_the_card(monkeypatch):
-    """On Hopper at head_dim 128 the stage's flex kernel runs 64 x 64 tiles (dm.SM90_FLEX_TARGET)
+    """On Hopper at head_dim 128 the stage's flex kernel runs 64 x 64 tiles (target_model.SM90_FLEX_TARGET)
     and its document BlockMask comes in tiles of 64; elsewhere flex's default, 128."""
     from conftest import tiny_target
     doc_ids = torch.zeros(2, 300, dtype=torch.long)
     for hopper, hidden, tile in ((True, 512, 64), (True, 256, 128), (False, 512, 128)):
-        monkeypatch.setattr(dm, "hopper", lambda device, on=hopper: on)
+        monkeypatch.setattr(target_model, "hopper", lambda device, on=hopper: on)
         model = tiny_target(hidden=hidden, layers=2)  # qwen3: head_dim hidden / 4
         replica = tp.TargetReplica(model, [1], torch.device("cpu"), "flex")
         assert replica.mask_tile == tile and replica.mask(doc_ids).BLOCK_SIZE == (tile, tile), (hopper, hidden)
     assert dm.flex_mask_tile(None) == dm.flex_mask_tile({"USE_TMA": True}) == 128
-    assert dm.flex_mask_tile({"BLOCK_M": 128, "BLOCK_N": 64}) == 128 and dm.flex_mask_tile(dm.SM90_FLEX_TARGET) == 64
+    assert dm.flex_mask_tile({"BLOCK_M": 128, "BLOCK_N": 64}) == 128 and dm.flex_mask_tile(target_model.SM90_FLEX_TARGET) == 64
 
 
 def test_eval_interval_logs_measured_acceptance_next_to_tau_hat(tmp_path, tiny_model_dir):
@@ -352,7 +360,7 @@ def test_out_of_memory_at_start_up_names_a_budget_that_was_tried(fake_gpu_memory
         def synthetic_batch(self, rows, length):
             return rows
 
-        def features(self, rows):  # the one-row measurement
+        def target_hidden(self, rows):  # the one-row measurement
             fake_gpu_memory["bytes"] = rows * GB
 
         def capture(self, rows, length):
@@ -366,7 +374,7 @@ def test_out_of_memory_at_start_up_names_a_budget_that_was_tried(fake_gpu_memory
 
     replica = FakeReplica()
     args = types.SimpleNamespace(token_budget=4096 * L, max_length=L, compile=True)
-    with pytest.raises(tp.UsageError, match=f"1.0 GB per row of {L}.*the largest that fits is about --token-budget {64 * L}$"):
+    with pytest.raises(chat_data.UsageError, match=f"1.0 GB per row of {L}.*the largest that fits is about --token-budget {64 * L}$"):
         tp.warm_up_target([replica], args, print)
     assert captured == [4096, 90, 76, 64]
     assert replica.graph is None  # the tries' memory is let go
@@ -383,12 +391,12 @@ def test_drafter_out_of_memory_names_a_budget_that_then_warms_up(fake_gpu_memory
     class FakeWorker:
         rank, device = 0, "cuda:0"
         warm_up = tp.DrafterWorker.warm_up
-        args = types.SimpleNamespace(token_budget=4096 * L, max_length=L, compile=compile)
-        run = types.SimpleNamespace(log=print, features_dim=2048)
+        settings = types.SimpleNamespace(token_budget=4096 * L, max_length=L, compile=compile)
+        run = types.SimpleNamespace(log=print, target_hidden_size=2048)
         averager, flat_grad = tp.GradAverager(1), None
         warmed, one_row_runs = [], 0
 
-        def synthetic_inputs(self, rows, features_dim):
+        def synthetic_inputs(self, rows, target_hidden_size):
             return rows
 
         def forward_backward(self, rows):  # the one-row measurement
@@ -407,7 +415,7 @@ def test_drafter_out_of_memory_names_a_budget_that_then_warms_up(fake_gpu_memory
     with pytest.raises(RuntimeError, match=f"1.0 GB per row of {L}.*about --token-budget {64 * L}$"):
         w.warm_up()
     assert w.warmed == [4096, 90, 76, 64]
-    w.args.token_budget, w.warmed = 64 * L, []
+    w.settings.token_budget, w.warmed = 64 * L, []
     w.warm_up()
     assert w.warmed == [64]
 
@@ -422,7 +430,8 @@ def test_compiled_workers_never_fall_back_to_eager_silently():
         target = tiny_target(dtype=torch.float32)
         drafter = dm.DFlashDraftModel(dm.make_drafter_config(target.config, mask_token_id=1, num_draft_layers=1,
                                                              block_size=4))
-        args = tp.build_parser().parse_args(["--max-length", "64", "--token-budget", "128", "--compile"])
+        args = tp.Settings.of_flags(["--max-length", "64", "--token-budget", "128", "--num-anchors", "8", "--compile"],
+                                    drafter_attention="sdpa")
         tp.DrafterWorker(0, torch.device("cpu"), drafter, args, tp.GradAverager(1), types.SimpleNamespace(log=print))
         torch._dynamo.reset()
         double = torch.compile(lambda x: x * 2, backend="eager", dynamic=False)
@@ -435,7 +444,7 @@ def test_compiled_workers_never_fall_back_to_eager_silently():
 
 @pytest.mark.parametrize("compile", [False, True])
 def test_the_step_writes_every_gradient_into_the_flat_buffer(compile):
-    # The backward overwrites each parameter's view of the flat buffer (tp.GradInto): no zeroing
+    # The backward overwrites each parameter's view of the flat buffer (flat_adamw.GradInto): no zeroing
     # before it, nothing accumulated into .grad. Pre-filled with 7, the buffer must end up holding
     # autograd's gradients of the same loss, eager and compiled (the GPU step's inductor path).
     from conftest import tiny_target
@@ -443,9 +452,8 @@ def test_the_step_writes_every_gradient_into_the_flat_buffer(compile):
     target = tiny_target(dtype=torch.float32)
     drafter = dm.DFlashDraftModel(dm.make_drafter_config(target.config, mask_token_id=1, num_draft_layers=2,
                                                          block_size=4)).attach_target(target)
-    args = tp.build_parser().parse_args(["--max-length", "48", "--token-budget", "96", "--num-anchors", "6"]
-                                        + (["--compile"] if compile else []))
-    args.attention = "sdpa"
+    args = tp.Settings.of_flags(["--max-length", "48", "--token-budget", "96", "--num-anchors", "6"]
+                                + (["--compile"] if compile else []), drafter_attention="sdpa")
     worker = tp.DrafterWorker(0, torch.device("cpu"), drafter, args, tp.GradAverager(1), types.SimpleNamespace(log=print))
     g = torch.Generator().manual_seed(0)
     R, L, F = 2, 48, len(drafter.target_layer_ids) * target.config.hidden_size
@@ -460,7 +468,7 @@ def test_the_step_writes_every_gradient_into_the_flat_buffer(compile):
         from torch._inductor.utils import run_and_get_code
         (got_loss, _), code = run_and_get_code(worker.forward_backward, inputs)
         # The matmuls write the gradients of the weights used once (q, o, gate, up, down in each of
-        # 2 layers, and fc) into the buffer themselves (tp.WeightGradsIntoBuffer); k/v_proj's, sums, are copied
+        # 2 layers, and fc) into the buffer themselves (flat_adamw.WeightGradsIntoBuffer); k/v_proj's, sums, are copied
         assert "\n".join(code).count("dflash.mm_into.default(") == 5 * 2 + 1
     else:
         got_loss, _ = worker.forward_backward(inputs)
@@ -494,7 +502,9 @@ def test_resume_with_another_worker_count_continues_the_same_batches(tmp_path, t
     assert len(full) == 12
     seen.clear()
     part = pipeline_args(tmp_path / "part", tiny_model_dir, data, *common, "--drafter-gpus", "cpu,cpu")
-    assert tp.main(part + ["--fault-inject-step", "5"]) == 1
+    with monkeypatch.context() as m:
+        m.setattr(tp.DrafterWorker, "train_step", faulty_train_step(5))
+        assert tp.main(part) == 1
     assert tp.checkpoint_steps(str(tmp_path / "part")) == [3]
     seen.clear()
     capsys.readouterr()
@@ -517,11 +527,13 @@ def test_resume_with_another_worker_count_continues_the_same_batches(tmp_path, t
     assert "resume: schedule changed" in out and "12 -> 20 batches in all" in out and "done: 17 steps" in out
 
 
-def test_resume_auto_passes_over_an_unreadable_checkpoint(tmp_path, tiny_model_dir, capsys):
+def test_resume_auto_passes_over_an_unreadable_checkpoint(tmp_path, tiny_model_dir, monkeypatch, capsys):
     data = write_jsonl(tmp_path / "d.jsonl", chat_rows(40))
     args = pipeline_args(tmp_path / "o", tiny_model_dir, data, "--num-draft-layers", "1", "--max-steps", "6",
                          "--save-interval", "2", "--target-gpus", "cpu", "--drafter-gpus", "cpu")
-    assert tp.main(args + ["--fault-inject-step", "5"]) == 1
+    with monkeypatch.context() as m:
+        m.setattr(tp.DrafterWorker, "train_step", faulty_train_step(5))
+        assert tp.main(args) == 1
     assert tp.checkpoint_steps(str(tmp_path / "o")) == [2, 4]
     newest = tmp_path / "o" / "checkpoints" / "step_4" / "model.safetensors"
     newest.write_bytes(newest.read_bytes()[:100])  # cut off, as a full disk would leave it
@@ -535,7 +547,9 @@ def test_resumed_run_stopped_before_its_first_step_saves_nothing(tmp_path, tiny_
     data = write_jsonl(tmp_path / "d.jsonl", chat_rows(40))
     args = pipeline_args(tmp_path / "o", tiny_model_dir, data, "--num-draft-layers", "1", "--max-steps", "6",
                          "--save-interval", "2", "--target-gpus", "cpu", "--drafter-gpus", "cpu")
-    assert tp.main(args + ["--fault-inject-step", "3"]) == 1
+    with monkeypatch.context() as m:
+        m.setattr(tp.DrafterWorker, "train_step", faulty_train_step(3))
+        assert tp.main(args) == 1
     before = sorted(os.listdir(tmp_path / "o" / "checkpoints"))
     # the run is stopped (a signal, say) before any batch is fed
     monkeypatch.setattr(tp, "feed", lambda run, replicas: [tp.put(run, w, None) for w in run.workers])
@@ -546,9 +560,8 @@ def test_resumed_run_stopped_before_its_first_step_saves_nothing(tmp_path, tiny_
 
 
 def test_typed_flags_win_over_the_demo_values():
-    parser = tp.build_parser()
     argv = ["--num-draft-layers", "5", "--lr", "6e-4"]  # equal to the defaults, typed all the same
-    args = tp.apply_demo_defaults(parser, parser.parse_args(argv), argv)
+    args = tp.parse_flags(argv)
     assert args.num_draft_layers == 5 and args.lr == 6e-4
     assert args.max_length == tp.DEMO_DEFAULTS["max_length"]  # not typed: the demo's
 
@@ -557,19 +570,17 @@ def test_the_gpu_demo_trains_on_regenerated_data_unless_data_is_typed(monkeypatc
     """On a GPU the demo trains on the target's own answers; `--data builtin:sharegpt` typed (the
     default's value) still means the human replies. The regenerated set needs the built-in
     target on a GPU: elsewhere a clear error."""
-    parser = tp.build_parser()
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    assert tp.apply_demo_defaults(parser, parser.parse_args([]), []).data == [tp.BUILTIN_REGENERATED]
-    argv = ["--data", tp.BUILTIN_DATA]
-    assert tp.apply_demo_defaults(parser, parser.parse_args(argv), argv).data == [tp.BUILTIN_DATA]
-    args = tp.apply_demo_defaults(parser, parser.parse_args([]), [])
+    assert tp.parse_flags([]).data == [demo_assets.BUILTIN_REGENERATED]
+    assert tp.parse_flags(["--data", demo_assets.BUILTIN_DATA]).data == [demo_assets.BUILTIN_DATA]
+    args = tp.parse_flags([])
     assert args.decay_ratio == 0.2 and args.max_steps == 6000  # the peak held, decayed over the last 1,200
     assert args.loss_decay_gamma == 3.0
     argv = ["--decay-ratio", "1.0", "--loss-decay-gamma", "7"]  # typed: the cosine over every step, the published gamma
-    typed = tp.apply_demo_defaults(parser, parser.parse_args(argv), argv)
+    typed = tp.parse_flags(argv)
     assert typed.decay_ratio == 1.0 and typed.loss_decay_gamma == 7.0
     monkeypatch.undo()
-    assert tp.main(["--data", tp.BUILTIN_REGENERATED, "--output-dir", str(tmp_path / "o")]) == 2
+    assert tp.main(["--data", demo_assets.BUILTIN_REGENERATED, "--output-dir", str(tmp_path / "o")]) == 2
 
 
 def test_the_gpu_demo_regenerates_regen_batch_size_rows_at_a_time(monkeypatch, tmp_path):
@@ -584,24 +595,23 @@ def test_the_gpu_demo_regenerates_regen_batch_size_rows_at_a_time(monkeypatch, t
         os.makedirs(os.path.dirname(output), exist_ok=True)
         open(output, "w").close()
         return {"text": "regenerated"}
-    monkeypatch.setattr(tp, "CACHE", str(tmp_path))
-    monkeypatch.setattr(tp, "builtin_prompts_file", lambda: str(tmp_path / "prompts.jsonl"))
-    monkeypatch.setattr(tp, "load_tokenizer", lambda name: None)
-    monkeypatch.setattr(tp, "EmbeddedBackend", Backend)
-    monkeypatch.setattr(tp, "regenerate", regenerate)
-    args = tp.build_parser().parse_args(["--regen-batch-size", "96", "--regen-max-new-tokens", "64"])
-    args.chat_template_kwargs = tp.parse_chat_template_kwargs(args.chat_template_kwargs)
-    out = tp.regenerated_builtin_data(args, print)
+    monkeypatch.setattr(demo_assets, "CACHE", str(tmp_path))
+    monkeypatch.setattr(demo_assets, "builtin_prompts_file", lambda: str(tmp_path / "prompts.jsonl"))
+    monkeypatch.setattr(regeneration, "load_tokenizer", lambda name: None)
+    monkeypatch.setattr(regeneration, "EmbeddedBackend", Backend)
+    monkeypatch.setattr(regeneration, "regenerate", regenerate)
+    args = tp.Settings.of_flags(["--regen-batch-size", "96", "--regen-max-new-tokens", "64"])
+    out = regeneration.regenerated_builtin_data(args, print)
     assert seen == [(96, 64, args.max_length)] and os.path.exists(out + ".done")
-    assert tp.regenerated_builtin_data(args, print) == out and len(seen) == 1  # cached: not again
-    with pytest.raises(tp.UsageError, match="--regen-batch-size must be positive"):
-        tp.check_args(tp.build_parser().parse_args(["--regen-batch-size", "0"]))
+    assert regeneration.regenerated_builtin_data(args, print) == out and len(seen) == 1  # cached: not again
+    with pytest.raises(chat_data.UsageError, match="--regen-batch-size must be positive"):
+        tp.check_flags(tp.build_parser().parse_args(["--regen-batch-size", "0"]))
 
 
 def test_a_grad_clip_of_zero_is_refused():
     # It would scale every update to nothing (the clip divides by norm / clip on CUDA).
-    with pytest.raises(tp.UsageError, match="--grad-clip must be positive"):
-        tp.check_args(tp.build_parser().parse_args(["--grad-clip", "0"]))
+    with pytest.raises(chat_data.UsageError, match="--grad-clip must be positive"):
+        tp.check_flags(tp.build_parser().parse_args(["--grad-clip", "0"]))
 
 
 def test_validation_documents_are_held_out_and_scored_beside_training(tmp_path, tiny_model_dir):
@@ -622,7 +632,7 @@ def test_validation_documents_are_held_out_and_scored_beside_training(tmp_path, 
 
 def test_split_validation_is_disjoint_deterministic_and_sized():
     import numpy as np
-    corpus = tp.Corpus(np.arange(30, dtype=np.int32), np.ones(30, np.uint8), np.arange(0, 31, 3), None)
+    corpus = chat_data.Corpus(np.arange(30, dtype=np.int32), np.ones(30, np.uint8), np.arange(0, 31, 3), None)
     train, held = tp.split_validation(corpus, 0.2, seed=1)
     assert len(held) == 2 and len(train) == 8 and not set(train) & set(held)
     assert [a.tolist() for a in tp.split_validation(corpus, 0.2, seed=1)] == [train.tolist(), held.tolist()]
@@ -632,7 +642,7 @@ def test_split_validation_is_disjoint_deterministic_and_sized():
     # documents opening with the same prompt (tokens before the first trained one) stay together
     ids = np.array([7, 8, 1, 2] * 40 + [int(i) for i in range(100, 120)], dtype=np.int32)  # 40 copies, then 5 others
     mask = np.array([0, 0, 1, 1] * 45, dtype=np.uint8)
-    corpus = tp.Corpus(ids, mask, np.arange(0, 181, 4), None)
+    corpus = chat_data.Corpus(ids, mask, np.arange(0, 181, 4), None)
     for seed in range(20):
         train, held = tp.split_validation(corpus, 0.1, seed)
         copies = set(range(40))
@@ -650,7 +660,7 @@ def test_split_validation_keeps_its_prompts_when_the_data_is_regenerated():
     def corpus_of(docs):  # docs: (prompt tokens, answer tokens)
         ids = np.concatenate([np.concatenate([p, a]) for p, a in docs]).astype(np.int32)
         mask = np.concatenate([np.r_[np.zeros(len(p)), np.ones(len(a))] for p, a in docs]).astype(np.uint8)
-        return tp.Corpus(ids, mask, np.cumsum([0] + [len(p) + len(a) for p, a in docs]), None)
+        return chat_data.Corpus(ids, mask, np.cumsum([0] + [len(p) + len(a) for p, a in docs]), None)
     prompts = [rng.integers(10, 1000, 6) for _ in range(300)]
     first = [(p, rng.integers(10, 1000, rng.integers(3, 9))) for p in prompts]
     # regenerated: other answers, 6 conversations now split in two documents, 4 new ones at the front
@@ -686,15 +696,15 @@ def test_compiled_target_layers_give_the_same_features(tiny_model_dir):
     """--compile-target: the target's decoder layers compiled by inductor (flex path) give the
     uncompiled layers' features on a packed batch."""
     (plain,), _, _ = tp.load_target_replicas(tiny_model_dir, [torch.device("cpu")], [1, 3], log=lambda *a: None,
-                                             attention="flex")
+                                             target_attention="flex")
     (fused,), _, _ = tp.load_target_replicas(tiny_model_dir, [torch.device("cpu")], [1, 3], log=lambda *a: None,
-                                             attention="flex", compile_layers=True)
+                                             target_attention="flex", compile_layers=True)
     g = torch.Generator().manual_seed(0)
     doc = torch.tensor([[0] * 90 + [1] * 150 + [2] * 60])
     pos = torch.cat([torch.arange(90), torch.arange(150), torch.arange(60)])[None]
     batch = {"input_ids": torch.randint(0, 100, (1, 300), generator=g), "doc_ids": doc, "position_ids": pos}
-    assert all(getattr(layer, "_compiled_call_impl", None) is not None for layer in dm.decoder_layers(fused.model))
-    torch.testing.assert_close(fused.features(batch), plain.features(batch), rtol=1e-4, atol=1e-4)
+    assert all(getattr(layer, "_compiled_call_impl", None) is not None for layer in target_model.decoder_layers(fused.model))
+    torch.testing.assert_close(fused.target_hidden(batch), plain.target_hidden(batch), rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.parametrize("arch,config", [("qwen3", {}), ("llama", {"mlp_bias": True})])
@@ -706,16 +716,16 @@ def test_target_stage_stacks_gate_and_up_into_one_matmul_with_the_transformers_f
     from torch._inductor.utils import run_and_get_code
     target = tiny_target(arch=arch, layers=4, dtype=torch.float32, init_std=0.15, **config)
     replica = tp.TargetReplica(copy.deepcopy(target), [1, 2], torch.device("cpu"), "flex")
-    assert [type(layer.mlp) for layer in dm.decoder_layers(replica.model)] == [tp.GateUpMLP] * 4
-    assert (dm.decoder_layers(replica.model)[0].mlp.bias is not None) == bool(config)
+    assert [type(layer.mlp) for layer in target_model.decoder_layers(replica.model)] == [tp.GateUpMLP] * 4
+    assert (target_model.decoder_layers(replica.model)[0].mlp.bias is not None) == bool(config)
     ids = torch.randint(0, 300, (1, 200), generator=torch.Generator().manual_seed(0))
     batch = {"input_ids": ids, "doc_ids": torch.zeros(1, 200, dtype=torch.long), "position_ids": torch.arange(200)[None]}
     hidden = target(ids, output_hidden_states=True).hidden_states
     expected = torch.cat([hidden[2], hidden[3]], dim=-1)
-    torch.testing.assert_close(replica.features(batch), expected, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(replica.target_hidden(batch), expected, rtol=1e-5, atol=1e-5)
 
     x = torch.randn(3, 50, 64, generator=torch.Generator().manual_seed(1))
-    mlp = dm.decoder_layers(replica.model)[1].mlp
+    mlp = target_model.decoder_layers(replica.model)[1].mlp
     torch._dynamo.reset()
     with torch._inductor.config.patch(fx_graph_cache=False):
         out, (code,) = run_and_get_code(torch.compile(mlp, dynamic=False), x)
@@ -727,7 +737,7 @@ def test_target_stage_stacks_gate_and_up_into_one_matmul_with_the_transformers_f
 
     torch._dynamo.reset()
     replica.set_compiled_layers(True)
-    torch.testing.assert_close(replica.features(batch), expected, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(replica.target_hidden(batch), expected, rtol=1e-4, atol=1e-4)
     torch._dynamo.reset()
 
 
@@ -745,7 +755,7 @@ def test_mlps_of_another_form_are_not_stacked():
             return self.down_proj(self.act_fn(self.up_proj(x)) * self.gate_proj(x))
 
     target = tiny_target(layers=3, dtype=torch.float32, init_std=0.15)
-    layers = dm.decoder_layers(target)
+    layers = target_model.decoder_layers(target)
     layers[0].mlp = UpGated(layers[0].mlp)
     layers[1].mlp.dropout = torch.nn.Dropout(0.0)
     assert tp.stack_gate_up(target) == 1
@@ -754,7 +764,7 @@ def test_mlps_of_another_form_are_not_stacked():
 
 def test_compiled_target_layers_store_queries_token_major_and_save_the_attention_output_copy(tiny_model_dir,
                                                                                              monkeypatch):
-    """flex's output follows its queries' order: with the queries token-major (dm.token_major) a
+    """flex's output follows its queries' order: with the queries token-major (target_model.token_major) a
     compiled layer has one kernel fewer than with inductor's own order, which needs a transposing
     copy before the output projection; the features are the same."""
     from torch._inductor import metrics
@@ -766,15 +776,15 @@ def test_compiled_target_layers_store_queries_token_major_and_save_the_attention
         torch._dynamo.reset()
         metrics.reset()
         (replica,), _, _ = tp.load_target_replicas(tiny_model_dir, [torch.device("cpu")], [1, 3], log=lambda *a: None,
-                                                   attention="flex", compile_layers=True)
+                                                   target_attention="flex", compile_layers=True)
         # No FX graph cache, so each call compiles what it counts (config.patch: monkeypatch's undo
         # deletes a config entry); run_and_get_code returns one code a compiled graph.
         with torch._inductor.config.patch(fx_graph_cache=False):
-            features, codes = run_and_get_code(replica.features, batch)
-        return features, metrics.generated_kernel_count / len(codes)
+            target_hidden, codes = run_and_get_code(replica.target_hidden, batch)
+        return target_hidden, metrics.generated_kernel_count / len(codes)
 
     token_major = features_and_kernels_a_layer()
-    monkeypatch.setattr(dm, "token_major", lambda query: query)
+    monkeypatch.setattr(target_model, "token_major", lambda query: query)
     inductors_order = features_and_kernels_a_layer()
     torch._dynamo.reset()
     torch.testing.assert_close(token_major[0], inductors_order[0], rtol=1e-4, atol=1e-4)
@@ -787,21 +797,21 @@ def test_the_built_in_target_is_evaluated_on_mt_bench_whatever_it_trains_on(tmp_
     other target has no default."""
     parser = tp.build_parser()
     data = write_jsonl(tmp_path / "d.jsonl", chat_rows(3))
-    mtbench = tp.read_prompts(tp.mtbench_file())
+    mtbench = evaluation.read_prompts(demo_assets.mtbench_file())
     assert len(mtbench) == 80
-    for argv in ([], ["--data", str(data)], ["--data", tp.BUILTIN_DATA]):
+    for argv in ([], ["--data", str(data)], ["--data", demo_assets.BUILTIN_DATA]):
         args = parser.parse_args(argv)
-        assert tp.heldout_prompts(args, None, 80) == [(c, t[:1]) for c, t in mtbench]
+        assert evaluation.heldout_prompts(args, None, 80) == [(c, t[:1]) for c, t in mtbench]
     mine = write_jsonl(tmp_path / "p.jsonl", [{"prompt": "hello there"}])
-    assert tp.heldout_prompts(parser.parse_args(["--data", str(data), "--eval-data", str(mine)]), None, 5) == \
+    assert evaluation.heldout_prompts(parser.parse_args(["--data", str(data), "--eval-data", str(mine)]), None, 5) == \
         [("all", ["hello there"])]
-    assert tp.heldout_prompts(parser.parse_args(["--target-model", "some/model", "--data", str(data)]), None, 5) == []
+    assert evaluation.heldout_prompts(parser.parse_args(["--target-model", "some/model", "--data", str(data)]), None, 5) == []
 
 
 def test_target_stage_defaults_to_flex_compiled_on_gpus_and_typed_flags_win():
     parser = tp.build_parser()
     gpu, cpu = [torch.device("cuda", 0)], [torch.device("cpu")]
-    opts = lambda argv, devices: tp.target_stage_options(parser.parse_args(argv), devices)  # noqa: E731
+    opts = lambda argv, devices: tp.resolve_target_stage(parser.parse_args(argv), devices)  # noqa: E731
     assert opts([], cpu) == ("dense", False) and opts(["--compile"], cpu) == ("dense", False)
     assert opts([], gpu) == ("flex", False) and opts(["--compile"], gpu) == ("flex", True)
     assert opts(["--compile", "--target-attention", "dense", "--no-compile-target"], gpu) == ("dense", False)
@@ -844,13 +854,12 @@ def test_checkpoint_from_before_decay_ratio_resumes_its_recorded_schedule():
 
 def test_drafter_attention_auto_is_sdpa_on_cpu_and_triton_refused(tiny_model_dir, monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    args = tp.build_parser().parse_args(["--target-model", tiny_model_dir])
-    tp.resolve_settings(args)
-    assert args.attention == "sdpa"
-    args = tp.build_parser().parse_args(["--target-model", tiny_model_dir, "--drafter-attention", "flex"])
-    tp.resolve_settings(args)
-    assert args.attention == "flex"
-    with pytest.raises(tp.UsageError, match="--drafter-attention triton needs CUDA"):
+    settings = tp.resolve_settings(tp.build_parser().parse_args(["--target-model", tiny_model_dir]))
+    assert settings.drafter_attention == "sdpa"
+    settings = tp.resolve_settings(tp.build_parser().parse_args(["--target-model", tiny_model_dir,
+                                                                  "--drafter-attention", "flex"]))
+    assert settings.drafter_attention == "flex"
+    with pytest.raises(chat_data.UsageError, match="--drafter-attention triton needs CUDA"):
         tp.resolve_settings(tp.build_parser().parse_args(["--target-model", tiny_model_dir, "--drafter-attention", "triton"]))
 
 
@@ -863,7 +872,7 @@ def test_drafter_attention_auto_is_triton_on_hopper_gpus_where_its_shapes_fit(mo
     qwen3_8b = types.SimpleNamespace(num_attention_heads=32, num_key_value_heads=8, head_dim=128, hidden_size=4096)
     def choose(argv, devices, tc=qwen3_8b):
         args = parser.parse_args(argv)
-        return tp.drafter_attention(args.drafter_attention, devices, tc, args.block_size)
+        return tp.resolve_drafter_attention(args.drafter_attention, devices, tc, args.block_size)
     assert choose([], gpu) == "triton" and choose([], cpu) == "sdpa"
     assert choose(["--drafter-attention", "flex"], gpu) == "flex"
     # past what the kernels were measured on: 256-wide heads (Gemma 3), 4 query heads x 64 slots
@@ -872,7 +881,7 @@ def test_drafter_attention_auto_is_triton_on_hopper_gpus_where_its_shapes_fit(mo
     no_head_dim = types.SimpleNamespace(num_attention_heads=12, num_key_value_heads=4, hidden_size=1152)  # 96
     for argv, tc in (([], wide), (["--block-size", "64"], qwen3_8b), ([], no_head_dim)):
         assert choose(argv, gpu, tc) == "flex"
-        with pytest.raises(tp.UsageError, match="--drafter-attention triton needs"):
+        with pytest.raises(chat_data.UsageError, match="--drafter-attention triton needs"):
             choose(argv + ["--drafter-attention", "triton"], gpu, tc)
     assert choose(["--block-size", "32"], gpu) == "triton"  # 4 x 32: 128 rows
     # its settings were chosen on an H200: on other GPUs (or any drafter GPU not Hopper) auto
@@ -888,15 +897,15 @@ def test_drafter_attention_auto_is_triton_on_hopper_gpus_where_its_shapes_fit(mo
 FLAT_ADAMW_CHECK = """
 import sys, copy, torch
 sys.path.insert(0, sys.argv[1])
-import train_dflash_pipeline as tp
+import flat_adamw as fa
 torch.manual_seed(0)
 init = [torch.randn(s) for s in [(37, 5), (11,), (3, 4, 6)]]
 n, lr, wd = sum(p.numel() for p in init), 0.05, 0.1
 
 def flat_adamw(params):  # as DrafterWorker builds it: the gradients are views of the flat buffer
     flat_grad = torch.zeros(n)
-    opt = tp.FlatAdamW(params, flat_grad, torch.tensor(lr), wd)
-    for p, g in zip(params, tp.flat_views(flat_grad, params)):
+    opt = fa.FlatAdamW(params, flat_grad, torch.tensor(lr), wd)
+    for p, g in zip(params, fa.flat_views(flat_grad, params)):
         p.grad = g
     return opt
 
@@ -908,7 +917,7 @@ for step in range(5):
     g = torch.randn(n) * (10 if step == 2 else 1)
     clip = torch.clamp(1.0 / (g.norm() + 1e-6), max=1.0)  # every step clipped (the norm is about 17)
     opt.flat_grad.copy_(g)
-    for p, gp in zip(ref, tp.flat_views(g * clip, ref)):
+    for p, gp in zip(ref, fa.flat_views(g * clip, ref)):
         p.grad = gp
     ref_opt.step()
     opt.step(clip)
@@ -916,7 +925,7 @@ for step in range(5):
         torch.testing.assert_close(q, p, rtol=1e-6, atol=1e-7)
         # within one bf16 step: the interpreter truncates where the GPU rounds (tests/test_gpu.py: equal)
         torch.testing.assert_close(q_bf16.float(), q.detach().float(), rtol=2 ** -7, atol=0)
-    assert [p.data_ptr() for p in mine] == [v.data_ptr() for v in tp.flat_views(opt.flat_param, mine)]
+    assert [p.data_ptr() for p in mine] == [v.data_ptr() for v in fa.flat_views(opt.flat_param, mine)]
 # Its state_dict loads into torch's AdamW (with that one's own settings kept, as
 # DrafterWorker.load_optimizer_state does), torch's into it, and all three go on as one.
 state = copy.deepcopy(opt.state_dict())
@@ -932,10 +941,10 @@ loaded = [p.detach().clone().requires_grad_() for p in ref]
 loaded_opt = flat_adamw(loaded)
 loaded_opt.load_state_dict(copy.deepcopy(ref_opt.state_dict()))
 st = loaded_opt.state[loaded[1]]  # the loaded moments are the kernel's flat buffers again
-assert st["exp_avg"].data_ptr() == tp.flat_views(loaded_opt.exp_avg, loaded)[1].data_ptr() and float(st["step"]) == 5
+assert st["exp_avg"].data_ptr() == fa.flat_views(loaded_opt.exp_avg, loaded)[1].data_ptr() and float(st["step"]) == 5
 g = torch.randn(n)
 loaded_opt.flat_grad.copy_(g)
-for p, q, gp in zip(torchs, ref, tp.flat_views(g, ref)):
+for p, q, gp in zip(torchs, ref, fa.flat_views(g, ref)):
     p.grad, q.grad = gp.clone(), gp.clone()
 torchs_opt.step(); ref_opt.step(); loaded_opt.step(torch.tensor(1.0))
 for p, q, r in zip(torchs, ref, loaded):
@@ -943,13 +952,13 @@ for p, q, r in zip(torchs, ref, loaded):
     torch.testing.assert_close(r, q, rtol=1e-6, atol=1e-7)
 # The CUDA worker's buffer is bf16 (what the matmuls write): the kernel updates from its fp32 values.
 halves = [p.clone().requires_grad_() for p in init]
-halves_opt = tp.FlatAdamW(halves, torch.zeros(n, dtype=torch.bfloat16), torch.tensor(lr), wd)
+halves_opt = fa.FlatAdamW(halves, torch.zeros(n, dtype=torch.bfloat16), torch.tensor(lr), wd)
 upcast = [p.clone().requires_grad_() for p in init]
 upcast_opt = torch.optim.AdamW(upcast, lr=lr, weight_decay=wd, foreach=False)
 for step in range(3):
     g = torch.randn(n).to(torch.bfloat16)
     halves_opt.flat_grad.copy_(g)
-    for p, gp in zip(upcast, tp.flat_views(g.float(), upcast)):
+    for p, gp in zip(upcast, fa.flat_views(g.float(), upcast)):
         p.grad = gp
     upcast_opt.step(); halves_opt.step(torch.tensor(1.0))
 for p, q in zip(upcast, halves):
@@ -964,3 +973,41 @@ def test_flat_adamw_is_torchs_adamw_on_the_clipped_gradient_interpreted():
     # step clipped hard), its bf16 copy follows the weights, and its state_dict and torch's load
     # into each other and go on as one. tests/test_gpu.py runs it compiled.
     run_interpreted(FLAT_ADAMW_CHECK)
+
+
+def test_settings_are_resolved_once_and_frozen(tiny_model_dir, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    flags = tp.build_parser().parse_args(["--target-model", tiny_model_dir, "--max-length", "100",
+                                          "--token-budget", "250", "--num-anchors", "8", "--num-draft-layers", "2"])
+    before = dict(vars(flags))
+    settings = tp.resolve_settings(flags)
+    assert vars(flags) == before  # the flags are read, never changed
+    assert settings.token_budget == 200 and settings.rows_per_batch == 2
+    layers = json.load(open(os.path.join(tiny_model_dir, "config.json")))["num_hidden_layers"]
+    assert settings.target_layer_ids == dm.default_target_layer_ids(layers, 2) and settings.drafter_attention == "sdpa"
+    assert settings.target_devices == [torch.device("cpu")] and settings.chat_template_kwargs == {}
+    assert settings.loss_decay_gamma == dm.default_loss_gamma(16)
+    with pytest.raises(AttributeError, match="frozen"):
+        settings.lr = 1.0
+    changed = settings.replace(lr=1.0)
+    assert changed.lr == 1.0 and settings.lr == 6e-4
+    # a setting that cannot be read is a sentence naming the flag, not a traceback
+    with pytest.raises(chat_data.UsageError, match="--target-layer-ids a,b"):
+        tp.resolve_settings(tp.build_parser().parse_args(["--target-model", tiny_model_dir, "--target-layer-ids", "a,b"]))
+
+
+def test_the_modules_import_one_way():
+    # dflash_model imports none of the project's modules; no module imports scripts/ (they are
+    # leaves); the trainer is imported by scripts and tests only.
+    import ast
+    modules = [f[:-3] for f in os.listdir(ROOT) if f.endswith(".py")]
+    imports = {}
+    for m in modules:
+        with open(os.path.join(ROOT, m + ".py")) as f:
+            tree = ast.parse(f.read())
+        names = {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+        names |= {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
+        imports[m] = {n.split(".")[0] for n in names}
+    assert not imports["dflash_model"] & set(modules)
+    assert all("scripts" not in imported for imported in imports.values())
+    assert [m for m, imported in imports.items() if "train_dflash_pipeline" in imported] == []

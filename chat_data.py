@@ -1,0 +1,492 @@
+"""Chat data -> training documents: rows of JSONL files -> messages -> what the server shows and
+what the model writes, as token ids with a loss mask -> the tokenised corpus (cached).
+
+A document is what the drafter trains on: for every assistant turn, exactly what a server
+shows the target when it asks for that turn (the conversation so far, rendered by the chat
+template with the generation prompt), followed by exactly what the target writes (the turn's
+text through its end-of-turn token), with loss on the latter only. Templates that keep
+earlier turns unchanged give one document per conversation; templates that rewrite history
+(Qwen3 strips earlier <think> blocks) start a new document at the turn where the rendered
+history stops being a prefix of the next render.
+
+Used by the trainer's data stage, regeneration, evaluation (prompt rendering) and
+scripts/inspect_data.py.
+"""
+
+import glob
+import hashlib
+import json
+import multiprocessing
+import os
+import time
+
+import numpy as np
+
+from demo_assets import builtin_data
+
+class UsageError(Exception):
+    """A setting that cannot work: reported with what to change, before any model loads."""
+
+
+TOKENIZATION_VERSION = 2  # part of the corpus cache key: a change here never reuses a stale cache
+
+
+ROLE_ALIASES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
+                "chatgpt": "assistant", "bing": "assistant", "bard": "assistant", "system": "system"}
+
+
+class BadRow(Exception):
+    pass
+
+
+def parse_chat_template_kwargs(text):
+    """--chat-template-kwargs '{"enable_thinking": false}' -> dict (also accepts a dict or None)."""
+    if text is None or isinstance(text, dict):
+        return dict(text or {})
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise UsageError(f"--chat-template-kwargs {text!r} is not JSON: {e.msg}") from None
+    if not isinstance(value, dict):
+        raise UsageError(f"--chat-template-kwargs {text!r} must be a JSON object, "
+                         "e.g. '{\"enable_thinking\": false}'")
+    return value
+
+
+def row_to_messages(row, require_assistant=True):
+    if "messages" in row:
+        turns = [(m.get("role"), m.get("content")) for m in row["messages"]]
+    elif "conversations" in row:
+        turns = [(m.get("from"), m.get("value")) for m in row["conversations"]]
+    else:
+        raise BadRow("no 'messages', 'conversations' or 'input_ids'")
+    messages = []
+    for role, content in turns:
+        if role not in ROLE_ALIASES:
+            raise BadRow(f"unknown role {role!r}")
+        if not isinstance(content, str):
+            raise BadRow(f"content of a {role} turn is not text")
+        messages.append({"role": ROLE_ALIASES[role], "content": content})
+    if not messages:
+        raise BadRow("empty conversation")
+    if require_assistant and not any(m["role"] == "assistant" and m["content"].strip() for m in messages):
+        raise BadRow("no assistant turn")
+    return messages
+
+
+def render_chat(tokenizer, messages, add_generation_prompt=False, chat_template_kwargs=None):
+    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt,
+                                         **(chat_template_kwargs or {}))
+
+
+def prompt_ids(tokenizer, messages, chat_template_kwargs=None):
+    """The prompt a server builds for the next assistant turn: rendered, then tokenised, as the
+    data stage does it."""
+    text = render_chat(tokenizer, messages, True, chat_template_kwargs)
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def special_token_ids(tokenizer):
+    """Ids of the tokenizer's special tokens (end-of-turn markers among them)."""
+    ids = {int(i) for i, t in getattr(tokenizer, "added_tokens_decoder", {}).items() if t.special}
+    return ids | {int(i) for i in tokenizer.all_special_ids}
+
+
+def through_end_of_turn(ids, special):
+    """The reply as the model writes it: up to and including its last special token (the
+    end-of-turn token); what a template prints after it (Qwen3's newline) is never generated."""
+    last = max((k for k, t in enumerate(ids) if t in special), default=len(ids) - 1)
+    return ids[:last + 1]
+
+
+class DocumentStats:
+    """What the data stage made of the rows, by file; skips and truncations by reason, with a few
+    examples (file:line) of each."""
+
+    FIELDS = ("rows", "documents", "assistant_turns", "trained_turns", "assistant_tokens", "loss_tokens")
+
+    def __init__(self):
+        self.counts = dict.fromkeys(self.FIELDS, 0)
+        self.skipped_rows, self.skipped_turns, self.truncated = {}, {}, {}
+        self.examples = {}
+
+    def note(self, table, reason, where, n=1):
+        table[reason] = table.get(reason, 0) + n
+        ex = self.examples.setdefault(reason, [])
+        if len(ex) < 3 and where not in ex:
+            ex.append(where)
+
+    def add(self, other):
+        for k in self.FIELDS:
+            self.counts[k] += other.counts[k]
+        for mine, theirs in ((self.skipped_rows, other.skipped_rows), (self.skipped_turns, other.skipped_turns),
+                             (self.truncated, other.truncated)):
+            for reason, n in theirs.items():
+                mine[reason] = mine.get(reason, 0) + n
+        for reason, ex in other.examples.items():
+            self.examples[reason] = (self.examples.get(reason, []) + ex)[:3]
+        return self
+
+    def to_dict(self):
+        return {**self.counts, "skipped_rows": self.skipped_rows, "skipped_turns": self.skipped_turns,
+                "truncated": self.truncated, "examples": self.examples}
+
+    @classmethod
+    def from_dict(cls, d):
+        s = cls()
+        s.counts = {k: d[k] for k in cls.FIELDS}
+        s.skipped_rows, s.skipped_turns, s.truncated = d["skipped_rows"], d["skipped_turns"], d["truncated"]
+        s.examples = d["examples"]
+        return s
+
+    def summary(self):
+        """A few lines: the counts, then each skip / truncation reason with its count and examples."""
+        c = self.counts
+        share = c["loss_tokens"] / max(c["assistant_tokens"], 1)
+        lines = [f"{c['rows']} rows ({sum(self.skipped_rows.values())} skipped) -> {c['documents']} documents; "
+                 f"{c['trained_turns']} of {c['assistant_turns']} "
+                 f"assistant turns trained; {c['loss_tokens']:,} of {c['assistant_tokens']:,} assistant tokens "
+                 f"carry loss ({share:.1%})"]
+        for title, table in (("skipped rows", self.skipped_rows), ("skipped turns", self.skipped_turns),
+                             ("truncated", self.truncated)):
+            for reason, n in sorted(table.items(), key=lambda kv: -kv[1]):
+                lines.append(f"  {title}: {n} x {reason} (e.g. {', '.join(self.examples.get(reason, []))})")
+        return lines
+
+
+def cover(ids, mask, max_length):
+    """Windows of at most max_length tokens that together put loss on every masked token once:
+    [(start, end, first trained position)]. A window trains whole turns (runs of masked tokens)
+    where they fit, splitting only a turn longer than a window; it keeps at least a quarter of
+    max_length of what precedes its first trained token (where there is that much), and as much
+    more as fits."""
+    n = len(ids)
+    runs, k = [], 0  # [(start, end)] of the masked runs
+    while k < n:
+        if mask[k]:
+            e = k
+            while e < n and mask[e]:
+                e += 1
+            runs.append((k, e))
+            k = e
+        else:
+            k += 1
+    out, cur = [], runs[0][0] if runs else None
+    while cur is not None:
+        limit = cur + max_length - min(cur, max_length // 4)
+        ends = [e for _, e in runs if cur < e <= limit]
+        end = max(ends) if ends else min(limit, n)
+        out.append((max(0, end - max_length), end, cur))
+        cur = next((max(s, end) for s, e in runs if e > end), None)
+    return out
+
+
+def windows_to_documents(ids, mask, max_length, stats, where):
+    """The documents (ids, loss mask) of one chain of tokens, cut to max_length by cover()."""
+    docs = []
+    spans = cover(ids, mask, max_length)
+    for start, end, cur in spans:
+        m = [0] * (cur - start) + list(mask[cur:end])
+        docs.append((list(ids[start:end]), m))
+    if spans and spans[0][0] > 0:
+        stats.note(stats.truncated, "history shortened to fit --max-length", where)
+    if len(spans) > 1:
+        stats.note(stats.truncated, "split into several documents to fit --max-length", where)
+    return docs
+
+
+def conversation_documents(tokenizer, messages, max_length, chat_template_kwargs, stats, where, special=None):
+    """Documents of one conversation, per the rules at the top of this section. special: the
+    tokenizer's special_token_ids (computed here if not given)."""
+    if not getattr(tokenizer, "chat_template", None):
+        raise UsageError(f"{tokenizer.name_or_path}: the tokenizer has no chat template; use a chat model or "
+                         "pre-tokenised rows (input_ids + loss_mask)")
+    first_user = next((i for i, m in enumerate(messages) if m["role"] == "user"), None)
+    if first_user is None:
+        raise BadRow("no user turn")
+    lead = [m for m in messages[:first_user] if m["role"] == "assistant"]
+    if lead:  # no request precedes them: a server never generates them
+        stats.note(stats.skipped_turns, "assistant turn before any user turn (dropped)", where, len(lead))
+        stats.counts["assistant_turns"] += len(lead)
+        messages = [m for m in messages[:first_user] if m["role"] != "assistant"] + messages[first_user:]
+    turns = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
+    stats.counts["assistant_turns"] += len(turns)
+    prompts, replies, kept = [], [], []
+    for i in turns:
+        if not messages[i]["content"].strip():
+            stats.note(stats.skipped_turns, "empty assistant turn", where)
+            continue
+        try:
+            prompt = render_chat(tokenizer, messages[:i], True, chat_template_kwargs)
+            whole = render_chat(tokenizer, messages[:i + 1], False, chat_template_kwargs)
+        except Exception as e:  # jinja raises for conversations a template refuses (roles must alternate...)
+            stats.note(stats.skipped_turns, f"chat template error: {str(e)[:80]}", where)
+            continue
+        if not whole.startswith(prompt):
+            stats.note(stats.skipped_turns, "rendered turn does not extend the generation prompt", where)
+            continue
+        prompts.append(prompt)
+        replies.append(whole[len(prompt):])
+        kept.append(i)
+    if not kept:
+        return []
+    enc = tokenizer(prompts + replies, add_special_tokens=False)["input_ids"]
+    special = special_token_ids(tokenizer) if special is None else special
+    docs, chain, chain_mask = [], None, None
+    for k in range(len(kept)):
+        prompt, reply = list(enc[k]), through_end_of_turn(list(enc[len(kept) + k]), special)
+        stats.counts["trained_turns"] += 1
+        stats.counts["assistant_tokens"] += len(reply)
+        if chain is not None and prompt[:len(chain)] == chain:  # the history is rendered as trained
+            chain_mask += [0] * (len(prompt) - len(chain)) + [1] * len(reply)
+            chain = prompt + reply
+        else:  # the template rewrote history: this turn starts a document of its own
+            if chain is not None:
+                docs += windows_to_documents(chain, chain_mask, max_length, stats, where)
+            chain, chain_mask = prompt + reply, [0] * len(prompt) + [1] * len(reply)
+    docs += windows_to_documents(chain, chain_mask, max_length, stats, where)
+    return docs
+
+
+def row_documents(row, tokenizer, max_length, vocab_size, chat_template_kwargs, stats, where, special=None):
+    """Documents [(ids, mask)] of one parsed JSONL row; BadRow for a row that cannot be used."""
+    if not isinstance(row, dict):
+        raise BadRow("not a JSON object")
+    if "input_ids" in row:
+        t, m = row["input_ids"], row.get("loss_mask")
+        if m is None or len(m) != len(t) or not t:
+            raise BadRow("input_ids needs a loss_mask of the same length")
+        if min(t) < 0 or max(t) >= vocab_size:
+            raise BadRow("input_ids outside the target vocabulary")
+        stats.counts["assistant_turns"] += 1
+        stats.counts["trained_turns"] += 1
+        stats.counts["assistant_tokens"] += int(sum(1 for x in m if x))
+        return windows_to_documents(t, [int(bool(x)) for x in m], max_length, stats, where)
+    return conversation_documents(tokenizer, row_to_messages(row), max_length, chat_template_kwargs, stats, where,
+                                  special)
+
+
+def parsed_rows(lines, path, stats):
+    """(line number, 'file:line', parsed row) of lines [(line number, text)] of a JSONL file;
+    rows counted in stats, lines that are not JSON counted as skipped."""
+    for lineno, line in lines:
+        stats.counts["rows"] += 1
+        where = f"{os.path.basename(path)}:{lineno}"
+        try:
+            yield lineno, where, json.loads(line)
+        except json.JSONDecodeError as e:
+            stats.note(stats.skipped_rows, f"bad JSON: {e.msg}", where)
+
+
+def numbered_lines(path, skip=frozenset()):
+    """(line number, text) of every non-empty line of a file whose line number is not in skip."""
+    with open(path, encoding="utf-8", errors="replace") as f:
+        for lineno, line in enumerate(f, 1):
+            if line.strip() and lineno not in skip:
+                yield lineno, line
+
+
+def jsonl_rows(path, stats, skip=frozenset()):
+    """parsed_rows of every non-empty line of a JSONL file whose line number is not in skip."""
+    return parsed_rows(numbered_lines(path, skip), path, stats)
+
+
+class Progress:
+    """A progress bar of items (turns, rows) with tokens/s and ETA (tqdm on a terminal), and a log
+    line a minute otherwise, for those who tail a log file."""
+
+    def __init__(self, total, desc, log=print, unit="turn", every_s=60.0):
+        from tqdm import tqdm
+        self.bar = tqdm(total=total, unit=unit, desc=desc, disable=None, dynamic_ncols=True)
+        self.total, self.desc, self.log, self.unit, self.every_s = total, desc, log, unit, every_s
+        self.t0 = self.last = time.perf_counter()
+        self.done = self.tokens = 0
+
+    def __call__(self, items, tokens):
+        self.done, self.tokens = self.done + items, self.tokens + tokens
+        now = time.perf_counter()
+        rate = self.tokens / max(now - self.t0, 1e-9)
+        self.bar.update(items)
+        self.bar.set_postfix_str(f"{rate:,.0f} tok/s")
+        if self.bar.disable and now - self.last >= self.every_s:
+            self.last = now
+            self.log(f"{self.desc}: {self.done}/{self.total} {self.unit}s, {self.tokens:,} tokens, "
+                     f"{rate:,.0f} tokens/s")
+
+    def close(self):
+        self.bar.close()
+
+
+def rows_documents(lines, path, tokenizer, max_length, vocab_size, chat_template_kwargs, special):
+    """(documents, DocumentStats) of some lines [(line number, text)] of one JSONL file."""
+    docs, stats = [], DocumentStats()
+    for _, where, row in parsed_rows(lines, path, stats):
+        try:
+            row_docs = row_documents(row, tokenizer, max_length, vocab_size, chat_template_kwargs, stats, where,
+                                     special)
+        except BadRow as e:
+            stats.note(stats.skipped_rows, str(e), where)
+            continue
+        row_docs = [(t, m) for t, m in row_docs if sum(m) >= 2]  # an anchor needs two trained tokens
+        if not row_docs:
+            stats.note(stats.skipped_rows, "no trainable assistant tokens", where)
+            continue
+        docs += row_docs
+    return docs, stats
+
+
+_READING = None  # in a tokenising process: what rows_documents reads its chunks with
+
+
+def _start_reading(*reading):
+    global _READING
+    _READING = reading
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one thread a process: the processes are the parallelism
+
+
+def _read_chunk(lines):
+    return rows_documents(lines, *_READING)
+
+
+def read_documents(path, tokenizer, max_length, vocab_size, chat_template_kwargs=None, workers=1, chunk_rows=256,
+                   log=print):
+    """Every document of one JSONL file, and its DocumentStats. Unusable rows are skipped and
+    counted by reason; so are turns that cannot be trained. With workers > 1 (0: one per CPU core,
+    at most 32), chunks of rows are rendered and tokenised by that many forked processes (a chat
+    template renders in Python, on one core) and put back in file order: the same documents and
+    counts as one process; a process that dies raises BrokenProcessPool. Progress: a bar of rows
+    on a terminal, else a log line a minute."""
+    special = special_token_ids(tokenizer)  # once per file, not per row (Gemma 3 has thousands)
+    reading = (path, tokenizer, max_length, vocab_size, chat_template_kwargs, special)
+    lines = list(numbered_lines(path))
+    chunks = [lines[i:i + chunk_rows] for i in range(0, len(lines), chunk_rows)]
+    workers = min(workers or min(32, os.cpu_count() or 1), len(chunks))
+    pool = None
+    if workers > 1 and "fork" in multiprocessing.get_all_start_methods():
+        from concurrent.futures import ProcessPoolExecutor
+        pool = ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("fork"),
+                                   initializer=_start_reading, initargs=reading)
+        results = pool.map(_read_chunk, chunks)
+    else:
+        results = (rows_documents(c, *reading) for c in chunks)
+    docs, stats = [], DocumentStats()
+    progress = Progress(len(lines), f"data: tokenising {os.path.basename(path)}", log, unit="row")
+    try:
+        for chunk_docs, chunk_stats in results:
+            docs += chunk_docs
+            stats.add(chunk_stats)
+            progress(chunk_stats.counts["rows"], sum(len(t) for t, _ in chunk_docs))
+    finally:
+        progress.close()
+        if pool is not None:
+            pool.shutdown(cancel_futures=True)
+    stats.counts["documents"] = len(docs)
+    stats.counts["loss_tokens"] = int(sum(sum(m) for _, m in docs))
+    return docs, stats
+
+
+class Corpus:
+    """Tokenised documents: concatenated ids / loss mask with offsets (what the cache stores)."""
+
+    def __init__(self, ids, mask, offsets, stats):
+        self.ids, self.mask, self.offsets, self.stats = ids, mask, offsets, stats
+
+    def __len__(self):
+        return len(self.offsets) - 1
+
+    def doc(self, i):
+        s, e = self.offsets[i], self.offsets[i + 1]
+        return self.ids[s:e], self.mask[s:e]
+
+    @property
+    def lengths(self):
+        return np.diff(self.offsets)
+
+    def subset(self, docs):
+        """A Corpus of the given documents (indices), in that order."""
+        docs = np.asarray(docs, dtype=np.int64)
+        lengths = self.lengths[docs]
+        take = np.concatenate([np.arange(self.offsets[d], self.offsets[d + 1]) for d in docs]) if len(docs) \
+            else np.zeros(0, np.int64)
+        return Corpus(self.ids[take], self.mask[take], np.concatenate([[0], np.cumsum(lengths)]), self.stats)
+
+    def fingerprint(self):
+        """A hash of the tokens, masks and document boundaries: what a resumed run checks."""
+        h = hashlib.sha256()
+        for a in (self.ids, self.mask, self.offsets):
+            h.update(np.ascontiguousarray(a).tobytes())
+        return h.hexdigest()[:16]
+
+
+def expand_data_paths(patterns):
+    paths = []
+    for pat in patterns:
+        hits = sorted(glob.glob(pat)) if any(c in pat for c in "*?[") else [pat]
+        if not hits:
+            raise UsageError(f"--data {pat}: no file matches")
+        for h in hits:
+            if not os.path.isfile(h):
+                raise UsageError(f"--data {h}: no such file")
+        paths += hits
+    return paths
+
+
+def resolve_data_paths(patterns):
+    return expand_data_paths([builtin_data(p) for p in patterns])
+
+
+def tokenizer_fingerprint(tokenizer):
+    """The tokenizer's contents (vocabulary, merges, special tokens, chat template), hashed."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    body = backend.to_str() if backend is not None else json.dumps(tokenizer.get_vocab(), sort_keys=True)
+    h = hashlib.sha256(body.encode())
+    h.update(str(tokenizer.chat_template).encode())
+    h.update(json.dumps(tokenizer.special_tokens_map, sort_keys=True, default=str).encode())
+    return h.hexdigest()[:16]
+
+
+def corpus_cache_key(paths, tokenizer, max_length, vocab_size, chat_template_kwargs):
+    h = hashlib.sha256()
+    for p in paths:
+        st = os.stat(p)
+        h.update(f"{os.path.abspath(p)}|{st.st_size}|{st.st_mtime_ns}".encode())
+    h.update(f"{tokenizer_fingerprint(tokenizer)}|{json.dumps(chat_template_kwargs or {}, sort_keys=True)}|"
+             f"{max_length}|{vocab_size}|v{TOKENIZATION_VERSION}".encode())
+    return h.hexdigest()[:20]
+
+
+def load_corpus(paths, tokenizer, max_length, vocab_size, cache_dir, chat_template_kwargs=None, log=print,
+                max_bad_fraction=0.5, workers=1):
+    """Every file's documents (read_documents), concatenated and cached; the stats are logged as a
+    summary (counts by reason, a few examples), never row by row."""
+    key = corpus_cache_key(paths, tokenizer, max_length, vocab_size, chat_template_kwargs)
+    cache_file = os.path.join(cache_dir, f"corpus_{key}.npz")
+    if os.path.exists(cache_file):
+        z = np.load(cache_file, allow_pickle=False)
+        corpus = Corpus(z["ids"], z["mask"], z["offsets"], DocumentStats.from_dict(json.loads(str(z["stats"]))))
+        log(f"data: {len(corpus)} documents from cache {cache_file}")
+        return corpus
+    from tqdm import tqdm
+    docs, stats = [], DocumentStats()
+    for path in tqdm(paths, unit="file", disable=None if len(paths) > 1 else True, desc="tokenising"):
+        file_docs, file_stats = read_documents(path, tokenizer, max_length, vocab_size, chat_template_kwargs,
+                                               workers, log=log)
+        docs += file_docs
+        stats.add(file_stats)
+    n_bad, rows = sum(stats.skipped_rows.values()), stats.counts["rows"]
+    if not docs:
+        raise UsageError(f"--data: no usable documents in {paths} ({n_bad} rows skipped: {stats.skipped_rows})")
+    if n_bad > max_bad_fraction * rows:
+        raise UsageError(f"--data: {n_bad} of {rows} rows are malformed ({stats.skipped_rows}); "
+                         "check the format (messages / conversations / input_ids+loss_mask)")
+    offsets = np.cumsum([0] + [len(t) for t, _ in docs], dtype=np.int64)
+    corpus = Corpus(np.concatenate([np.asarray(t, np.int32) for t, _ in docs]),
+                    np.concatenate([np.asarray(m, np.uint8) for _, m in docs]), offsets, stats)
+    os.makedirs(cache_dir, exist_ok=True)
+    tmp = cache_file + f".tmp{os.getpid()}.npz"
+    np.savez(tmp, ids=corpus.ids, mask=corpus.mask, offsets=corpus.offsets, stats=json.dumps(stats.to_dict()))
+    os.replace(tmp, cache_file)
+    for line in stats.summary():
+        log(f"data: {line.strip()}")
+    log(f"data: cached at {cache_file}")
+    return corpus

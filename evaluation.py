@@ -1,0 +1,279 @@
+"""The acceptance length, measured by real, lossless speculative decoding against the target.
+
+The same prompts, batched, three ways: plain greedy decoding (the reference and the time to
+beat), speculative decoding with the drafter, and with prompt lookup (n-gram drafting: the free
+baseline). Every speculative output is checked against the greedy one. Multi-turn prompts
+continue with the greedy answer, so every method sees the same history. Used at the end of a
+run, by --eval-interval and by scripts/eval_acceptance.py. Also the teacher-forced figures
+(tau at every position, decoding replayed over known answers) that training's validation logs.
+"""
+
+import json
+import os
+import time
+from collections import Counter, defaultdict
+
+import numpy as np
+import torch
+
+import dflash_model as dm
+from chat_data import BadRow, prompt_ids, row_to_messages
+from decoding import generate, lookup_accepted, speculative_generate
+from demo_assets import BUILTIN_MODEL, mtbench_file
+from target_model import collect_layer_outputs, load_full_target, load_tokenizer, stop_token_ids
+
+def read_prompts(path):
+    """[(category, [user turn, ...]), ...] from a JSONL file. A pre-tokenised row (input_ids)
+    is one turn given as token ids: the prompt exactly as the target reads it."""
+    out = []
+    with open(path) as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            row = json.loads(line)
+            if "input_ids" in row:
+                turns = [[int(t) for t in row["input_ids"]]]
+            elif "turns" in row:
+                turns = list(row["turns"])
+            elif "prompt" in row:
+                turns = [row["prompt"]]
+            elif "messages" in row or "conversations" in row:
+                try:
+                    messages = row_to_messages(row, require_assistant=False)
+                except BadRow as e:
+                    raise ValueError(f"{path}:{lineno}: {e}") from None
+                turns = [m["content"] for m in messages if m["role"] == "user"]
+            else:
+                raise ValueError(f"{path}:{lineno}: no prompt, turns, messages, conversations or input_ids")
+            if turns:
+                out.append((row.get("category", "all"), turns))
+    return out
+
+
+def heldout_prompts(settings, tokenizer, n):
+    """Prompts the pipeline's final evaluation uses: --eval-data, else MT-Bench for the built-in
+    target (never in its built-in training data, whichever of them it trains on), else none."""
+    if getattr(settings, "eval_data", None):
+        prompts = read_prompts(settings.eval_data)
+    elif settings.target_model == BUILTIN_MODEL:
+        prompts = read_prompts(mtbench_file())
+    else:
+        return []
+    if n <= 0:
+        return []
+    step = max(1, len(prompts) // n)
+    return [(cat, turns[:getattr(settings, "eval_turns", 1)]) for cat, turns in prompts[::step][:n]]
+
+
+def sync(device):
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+@torch.no_grad()
+def teacher_forced_gains(target, drafter, prompt_ids, generated):
+    """The drafter teacher-forced on the target's own greedy continuation: (tau at every generated
+    token that has a next one, as training computes it; the gains of greedy speculative decoding
+    replayed over those taus: the first block at the first generated token, each next one where
+    the last one's gain ends). The replay is what the server measures, but for rounding and the
+    last block of an answer (its drafts past the end are not known here): a difference beyond
+    that is a difference between the drafter's training and serving paths."""
+    ids = torch.cat([prompt_ids[0], torch.tensor(generated, device=prompt_ids.device)])[None]
+    P, L = prompt_ids.shape[1], ids.shape[1]
+    if L - P < 2:
+        return [], [1] * (L - P > 0)
+    with collect_layer_outputs(target, drafter.target_layer_ids) as hidden:
+        target(ids)
+    taus = drafter.accepted_lengths(torch.cat(hidden, -1).to(drafter.fc.weight.dtype), ids,
+                                    torch.arange(P, L - 1, device=ids.device)[None])[0].tolist()
+    return taus, replayed_gains(lambda i: taus[i], L - P)
+
+
+def replayed_gains(tau_at, n):
+    """Greedy speculative decoding replayed over a known continuation of n tokens: its first
+    token comes with the prompt, then each block gains tau_at(i) at the i-th token (0-based),
+    the next block starting where that gain ends."""
+    gains, i = [], 0
+    while i + 1 < n:  # the output has i + 1 tokens
+        gains.append(tau_at(i))
+        i += gains[-1]
+    return gains
+
+
+@torch.no_grad()
+def accepted_lengths_everywhere(drafter, target_hidden, input_ids, loss_mask, doc_ids, position_ids, num_anchors,
+                                ce_chunk_size=4096, attention="sdpa"):
+    """The teacher-forced gain at every position of a batch [B, L], num_anchors blocks a row at a
+    time."""
+    L = input_ids.shape[1]
+    taus = []
+    for start in range(0, L, num_anchors):
+        anchors = torch.arange(start, start + num_anchors, device=input_ids.device).clamp(max=L - 1)
+        taus.append(drafter.accepted_lengths(target_hidden, input_ids, anchors.repeat(input_ids.shape[0], 1), loss_mask,
+                                             doc_ids, position_ids, ce_chunk_size, attention))
+    return torch.cat(taus, 1)[:, :L]
+
+
+def replayed_over_answers(tau_at, loss_mask, doc_ids):
+    """replayed_gains over each answer of a packed row (a run of trained tokens inside one
+    document: the target's answer to everything before it there), as (gains, whether it is its
+    document's first answer) per answer. tau_at(position, end): the gain drafting at a position
+    of the answer that ends before end."""
+    trained, docs = np.asarray(loss_mask, dtype=bool), np.asarray(doc_ids)
+    joined = np.concatenate([trained[:-1] & trained[1:] & (docs[:-1] == docs[1:]), [False]])  # i and i + 1
+    starts = np.flatnonzero(trained & ~np.concatenate([[False], joined[:-1]]))
+    ends = np.flatnonzero(trained & ~joined) + 1
+    firsts = np.concatenate([[True], docs[starts[1:]] != docs[starts[:-1]]]) if len(starts) else []
+    return [(replayed_gains(lambda i, s=s, e=e: tau_at(s + i, e), e - s), bool(first))
+            for s, e, first in zip(starts.tolist(), ends.tolist(), firsts)]
+
+
+@torch.no_grad()
+def near_tie(target, prompt, reference, output, first):
+    """Whether the target's logits for the first differing token put the greedy choice and the
+    speculative one within rounding of each other: then batched verification and one-token greedy
+    steps, whose kernels round differently, may each pick a different one without either being
+    wrong. Rounding: a few units in the last place of the logits' dtype at the scale of the row's
+    largest logit (the two paths' hidden states differ by rounding, and a logit's error scales with
+    the hidden state, not with the logit itself). Returns (tie, gap)."""
+    ids = torch.tensor([list(prompt) + list(reference[:first])], device=next(target.parameters()).device)
+    logits = target(ids, logits_to_keep=1).logits[0, -1]
+    if not 0 <= output[first] < logits.shape[-1]:
+        return False, None
+    gap = float((logits[reference[first]].float() - logits[output[first]].float()).abs())
+    tolerance = 4 * torch.finfo(logits.dtype).eps * max(float(logits.float().abs().max()), 1.0)
+    return gap <= tolerance, gap
+
+
+def where_lookup_copies(drafter_taus, lookup_taus, block_size):
+    """The drafter's teacher-forced tau_hat split by whether prompt lookup would gain at least
+    half a block at the same token (the answer copies itself or its prompt there): does the
+    drafter follow text it could copy from its context?"""
+    copying = [l >= block_size // 2 for l in lookup_taus]
+    mean = lambda xs: sum(xs) / len(xs) if xs else None  # noqa: E731  (None: no such token; null in the JSON)
+    return {"lookup_copies_share": sum(copying) / max(len(copying), 1),
+            "lookup_tau_hat_where_it_copies": mean([l for l, c in zip(lookup_taus, copying) if c]),
+            "teacher_forced_tau_hat_where_lookup_copies": mean([t for t, c in zip(drafter_taus, copying) if c]),
+            "teacher_forced_tau_hat_elsewhere": mean([t for t, c in zip(drafter_taus, copying) if not c])}
+
+
+def acceptance_summary(gains_by_category):
+    """Mean tokens per verification step overall and per category, and their histogram."""
+    every = [g for v in gains_by_category.values() for g in v]
+    hist = Counter(every)
+    return (sum(every) / max(len(every), 1), {c: sum(v) / len(v) for c, v in sorted(gains_by_category.items()) if v},
+            {str(k): hist[k] for k in sorted(hist)})
+
+
+def evaluate_models(target, tokenizer, drafter, prompts, device, max_new_tokens, log=print,
+                    chat_template_kwargs=None, batch_size=64, show_progress=True):
+    """Greedy, drafter and prompt-lookup decoding of every prompt (turn by turn); returns the
+    report dict: both acceptance lengths, per category and as histograms, the speed-up of both
+    over greedy in the same run, and whether every output equals the greedy one."""
+    from tqdm import tqdm
+    stop = stop_token_ids(tokenizer, target.generation_config)
+    gains = {"drafter": defaultdict(list), "lookup": defaultdict(list)}
+    seconds = {"greedy": 0.0, "drafter": 0.0, "lookup": 0.0}
+    mismatches, histories = [], [[] for _ in prompts]
+    generated = forwards = 0
+    tf_taus, tf_gains, lookup_taus = [], [], []
+    bar = tqdm(total=3 * sum(len(turns) for _, turns in prompts), unit="answer", desc="eval",
+               disable=None if show_progress else True)
+    for k in range(max(len(turns) for _, turns in prompts)):
+        live = [i for i, (_, turns) in enumerate(prompts) if k < len(turns)]
+        ids = []
+        for i in live:
+            turn = prompts[i][1][k]
+            if isinstance(turn, list):  # pre-tokenised
+                ids.append(turn)
+            else:
+                histories[i].append({"role": "user", "content": turn})
+                ids.append(prompt_ids(tokenizer, histories[i], chat_template_kwargs))
+        runs = {}
+        for name, kw in (("greedy", None), ("drafter", {"drafter": drafter}),
+                         ("lookup", {"drafter": None, "block_size": drafter.block_size})):
+            bar.set_postfix_str(f"turn {k + 1}: {name}")
+            sync(device)
+            t0 = time.perf_counter()
+            progress = lambda rows, tokens: bar.update(rows)
+            if kw is None:
+                runs[name] = [(t, None) for t, _ in generate(target, ids, max_new_tokens, stop, batch_size,
+                                                                progress=progress)]
+            else:
+                runs[name] = speculative_generate(target, ids, max_new_tokens, stop, batch_size=batch_size,
+                                                     progress=progress, **kw)
+            sync(device)
+            seconds[name] += time.perf_counter() - t0
+        for j, i in enumerate(live):
+            category, reference = prompts[i][0], runs["greedy"][j][0]
+            for name in ("drafter", "lookup"):
+                output, gained = runs[name][j]
+                if output != reference:
+                    first = next((n for n, (a, b) in enumerate(zip(output, reference)) if a != b),
+                                 min(len(output), len(reference)))
+                    tie, gap = near_tie(target, ids[j], reference, output, first) \
+                        if first < min(len(output), len(reference)) else (False, None)
+                    mismatches.append({"method": name, "prompt": i, "turn": k, "first_difference_at": first,
+                                       "near_tie": tie, "logit_gap": gap})
+                gains[name][category] += gained
+            taus, replayed = teacher_forced_gains(target, drafter, torch.tensor([ids[j]], device=device), reference)
+            tf_taus += taus
+            tf_gains += replayed
+            seq = np.asarray(list(ids[j]) + list(reference))
+            lookup_taus += [lookup_accepted(seq, len(ids[j]) + n, len(seq), drafter.block_size)
+                            for n in range(len(taus))]
+            generated += len(reference)
+            forwards += 1 + len(runs["drafter"][j][1])  # prefill + one verification per block
+            if not isinstance(prompts[i][1][k], list):
+                answer = tokenizer.decode(reference, skip_special_tokens=True)
+                histories[i].append({"role": "assistant", "content": answer})
+    bar.close()
+    copies = where_lookup_copies(tf_taus, lookup_taus, drafter.block_size)
+    acceptance, per_category, histogram = acceptance_summary(gains["drafter"])
+    lookup, lookup_per_category, lookup_histogram = acceptance_summary(gains["lookup"])
+    report = {
+        "acceptance_length": acceptance, "per_category": per_category, "histogram": histogram,
+        "prompt_lookup_acceptance_length": lookup, "prompt_lookup_per_category": lookup_per_category,
+        "prompt_lookup_histogram": lookup_histogram,
+        "tokens_per_target_forward": generated / max(forwards, 1),
+        # the drafter teacher-forced on the greedy answers: tau_hat as training computes it, and
+        # real decoding replayed over its taus (= acceptance_length but for the answers' last blocks)
+        "teacher_forced_tau_hat": sum(tf_taus) / max(len(tf_taus), 1),
+        "teacher_forced_acceptance_length": sum(tf_gains) / max(len(tf_gains), 1),
+        **copies,
+        "speedup_vs_greedy": seconds["greedy"] / max(seconds["drafter"], 1e-9),
+        "prompt_lookup_speedup_vs_greedy": seconds["greedy"] / max(seconds["lookup"], 1e-9),
+        "greedy_s": seconds["greedy"], "speculative_s": seconds["drafter"], "prompt_lookup_s": seconds["lookup"],
+        "prompts": len(prompts), "answers": sum(len(t) for _, t in prompts), "generated_tokens": generated,
+        "max_new_tokens": max_new_tokens, "block_size": drafter.block_size, "batch_size": batch_size,
+        # a difference at a near-tie of the target's own logits is rounding, not a wrong token
+        "lossless": not [m for m in mismatches if not m["near_tie"]], "mismatches": mismatches,
+        "near_ties": sum(m["near_tie"] for m in mismatches),
+    }
+    fmt = lambda x: "-" if x is None else f"{x:.2f}"  # noqa: E731
+    log(f"eval: acceptance length {acceptance:.2f} (prompt lookup {lookup:.2f}) on {report['answers']} answers; "
+        f"histogram {histogram}; teacher-forced on the target's own outputs: tau_hat "
+        f"{report['teacher_forced_tau_hat']:.2f}, "
+        f"decoding replayed {report['teacher_forced_acceptance_length']:.2f}; where prompt lookup copies "
+        f"({copies['lookup_copies_share']:.0%} of the tokens; its tau {fmt(copies['lookup_tau_hat_where_it_copies'])}) "
+        f"the drafter's tau_hat is {fmt(copies['teacher_forced_tau_hat_where_lookup_copies'])}, elsewhere "
+        f"{fmt(copies['teacher_forced_tau_hat_elsewhere'])}; speed-up over greedy {report['speedup_vs_greedy']:.2f}x "
+        f"(prompt lookup {report['prompt_lookup_speedup_vs_greedy']:.2f}x) at batch {batch_size}; "
+        f"lossless: {report['lossless']}" + (f" ({report['near_ties']} outputs part at a near-tie of the target's "
+                                             "logits: rounding)" if report["near_ties"] else ""))
+    return report
+
+
+def evaluate_drafter_dir(target_name, drafter_dir, prompts, device, max_new_tokens, chat_template_kwargs=None,
+                         log=print, target=None, batch_size=64):
+    """evaluate_models on a saved drafter directory (`target`: an already loaded target to reuse);
+    the report is written beside the drafter as eval_acceptance.json."""
+    target = target if target is not None else load_full_target(target_name, device)
+    tokenizer = load_tokenizer(target_name)
+    dtype = next(target.parameters()).dtype
+    drafter = dm.DFlashDraftModel.from_pretrained(drafter_dir, device=device, dtype=dtype).attach_target(target).eval()
+    report = evaluate_models(target, tokenizer, drafter, prompts, device, max_new_tokens, log, chat_template_kwargs,
+                             batch_size)
+    with open(os.path.join(drafter_dir, "eval_acceptance.json"), "w") as f:
+        json.dump(report, f, indent=1)
+    return report

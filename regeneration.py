@@ -1,0 +1,276 @@
+"""Regeneration: the training data in the target's own words.
+
+Every assistant turn of a conversation is written anew by the target, given the conversation
+so far with its earlier turns already regenerated; a round is one turn index, batched across
+all conversations of a chunk. Two backends give the same rows: the embedded engine
+(decoding.generate, one replica per GPU in threads) and an OpenAI-compatible chat-completions
+server. Output rows are appended as each conversation ends, so a killed run resumes.
+"""
+
+import argparse
+import hashlib
+import json
+import os
+import threading
+import time
+import traceback
+from collections import Counter, deque
+
+import torch
+
+from chat_data import BadRow, DocumentStats, Progress, jsonl_rows, prompt_ids, row_to_messages
+from decoding import generate
+import demo_assets
+from dflash_model import text_config
+from target_model import load_full_target, load_tokenizer, stop_token_ids
+
+def regeneration_prompts(path, done_ids):
+    """(rows to do [(id, messages without assistant turns)], DocumentStats of skips). Leading
+    assistant turns are dropped (no request precedes them); rows without a user turn skipped."""
+    todo, stats = [], DocumentStats()
+    for lineno, where, row in jsonl_rows(path, stats, done_ids):
+        try:
+            messages = row_to_messages(row if isinstance(row, dict) else {}, require_assistant=False)
+        except BadRow as e:
+            stats.note(stats.skipped_rows, str(e), where)
+            continue
+        asks = [m for m in messages if m["role"] != "assistant"]
+        if not any(m["role"] == "user" for m in asks):
+            stats.note(stats.skipped_rows, "no user turn", where)
+            continue
+        todo.append((lineno, asks))
+    return todo, stats
+
+
+class Regeneration:
+    """One conversation being regenerated: its messages so far (`outs`), the user and system
+    turns still to come (`rest`), why it failed, if it did, and why it was skipped, if it was."""
+
+    def __init__(self, row_id, asks):
+        self.row_id, self.outs, self.rest, self.error, self.skip = row_id, [], list(asks), None, None
+
+    def next_turn(self):
+        """Moves the next user turn (and the system turns before it) into outs; False if none is
+        left (the trailing system turns moved all the same)."""
+        while self.rest and self.rest[0]["role"] != "user":
+            self.outs.append(self.rest.pop(0))
+        if self.rest:
+            self.outs.append(self.rest.pop(0))
+            return True
+        return False
+
+
+def regenerate_rounds(backend, todo, window, summary, progress=None):
+    """Every conversation of todo ([(id, messages without assistant turns)]) with an assistant
+    turn after each user turn, written by backend(list of message lists) -> [(text or None if it
+    failed, finish reason or the error, tokens)], each turn given the conversation so far. In
+    rounds: each round asks the next turn of up to `window` conversations, topped up from todo as
+    conversations end, so a round stays full until todo runs out. A turn the backend declines
+    as "context" (its history too long to answer) ends the conversation before that user turn;
+    one with no answered turn is then skipped (`skip` says why). Yields lists of conversations as
+    they end: those done (error None) before each round, those that failed after it. Counts
+    answered turns, tokens and finish reasons into summary."""
+    todo, live = deque(todo), []
+    while todo or live:
+        asking, done = [], []
+        for c in live:
+            (asking if c.next_turn() else done).append(c)
+        while todo and len(asking) < window:
+            c = Regeneration(*todo.popleft())
+            (asking if c.next_turn() else done).append(c)
+        if done:
+            yield done
+        for c, (text, reason, n) in zip(asking, backend([c.outs for c in asking]) if asking else []):
+            if reason == "context":
+                summary["finish"][reason] += 1
+                c.outs.pop()  # the user turn left unanswered
+                if progress is not None:  # it and the conversation's later turns will not come
+                    progress(1 + sum(m["role"] == "user" for m in c.rest), 0)
+                c.rest = []
+                if not any(m["role"] == "assistant" for m in c.outs):
+                    c.skip = "first prompt longer than the context limit"
+            elif text is None:
+                c.error, c.rest = reason, []
+            else:
+                c.outs.append({"role": "assistant", "content": text})
+                summary["finish"][reason] += 1
+                summary["turns"] += 1
+                summary["tokens"] += n
+        failed = [c for c in asking if c.error is not None]
+        if failed:
+            yield failed
+        live = [c for c in asking if c.error is None]
+
+
+class EmbeddedBackend:
+    """The target itself, one replica per device (threads), batched by the generation engine.
+    A prompt of max_context_tokens or more (args; 0: the target's max_position_embeddings less
+    max_new_tokens) is declined as "context": training cuts documents at --max-length, so a turn
+    after that point is never trained on, and a server would refuse it past the model's window."""
+
+    def __init__(self, target_name, devices, tokenizer, args, progress=None):
+        self.tokenizer, self.args, self.progress = tokenizer, args, progress
+        self.replicas = [load_full_target(target_name, d) for d in devices]
+        self.stop = stop_token_ids(tokenizer, self.replicas[0].generation_config)
+        window = getattr(text_config(self.replicas[0].config), "max_position_embeddings", None) or 10**9
+        self.max_context = getattr(args, "max_context_tokens", 0) or max(window - args.max_new_tokens, 1)
+
+    def __call__(self, conversations):
+        a = self.args
+        ids = [prompt_ids(self.tokenizer, c, a.chat_template_kwargs) for c in conversations]
+        results, errors = [None] * len(ids), []
+        for i, p in enumerate(ids):
+            if len(p) >= self.max_context:
+                results[i] = ([], "context")
+        todo = [i for i, r in enumerate(results) if r is None]
+        shares = [todo[k::len(self.replicas)] for k in range(len(self.replicas))]
+
+        def run(replica, share, seed):
+            try:
+                out = generate(replica, [ids[i] for i in share], a.max_new_tokens, self.stop, a.batch_size,
+                                  a.temperature, a.top_p, seed, progress=self.progress,
+                                  decode_attention=a.decode_attention)
+                for i, r in zip(share, out):
+                    results[i] = r
+            except BaseException:
+                errors.append(traceback.format_exc())
+
+        threads = [threading.Thread(target=run, args=(r, s, a.seed * 1000 + k), daemon=True)
+                   for k, (r, s) in enumerate(zip(self.replicas, shares)) if s]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        if errors:
+            raise RuntimeError("generation failed on a replica:\n" + errors[0])
+        return [(None if reason == "context" else self.tokenizer.decode(t, skip_special_tokens=True), reason, len(t))
+                for t, reason in results]
+
+
+class ServerBackend:
+    """An OpenAI-compatible chat-completions endpoint (vllm serve, SGLang, llama.cpp server):
+    `concurrency` requests in flight, each retried with exponential backoff. A conversation that
+    still fails is given as None (the caller writes it to the rejects file)."""
+
+    def __init__(self, url, args, progress=None):
+        import httpx
+        self.url = url.rstrip("/") + ("" if url.rstrip("/").endswith("/chat/completions") else "/chat/completions")
+        self.args, self.progress = args, progress
+        self.client = httpx.Client(timeout=args.timeout)
+
+    def complete(self, messages):
+        a = self.args
+        body = {"model": a.server_model, "messages": messages, "max_tokens": a.max_new_tokens,
+                "temperature": a.temperature, "top_p": a.top_p, "seed": a.seed}
+        if a.chat_template_kwargs:
+            body["chat_template_kwargs"] = a.chat_template_kwargs
+        error = None
+        for attempt in range(a.retries + 1):
+            if attempt:
+                time.sleep(min(a.backoff * 2 ** (attempt - 1), 30))
+            try:
+                r = self.client.post(self.url, json=body)
+                if r.status_code == 200:
+                    answer = r.json()
+                    choice, n = answer["choices"][0], (answer.get("usage") or {}).get("completion_tokens", 0)
+                    if self.progress is not None:
+                        self.progress(1, n)
+                    return choice["message"]["content"], choice.get("finish_reason", "stop"), n
+                error = f"HTTP {r.status_code}: {r.text[:200]}"
+                if r.status_code < 500 and r.status_code != 429:
+                    break  # a request the server refuses will be refused again
+            except Exception as e:  # timeouts, refused connections, malformed answers
+                error = f"{type(e).__name__}: {e}"
+        return None, error, 0
+
+    def __call__(self, conversations):
+        from concurrent.futures import ThreadPoolExecutor
+        with ThreadPoolExecutor(self.args.concurrency) as pool:
+            return list(pool.map(self.complete, conversations))
+
+
+def done_regeneration_ids(path):
+    """Ids already written; a last line cut off by a kill is cut away (it is regenerated)."""
+    done = set()
+    if os.path.exists(path):
+        with open(path, "rb+") as f:
+            data = f.read()
+            if data and not data.endswith(b"\n"):
+                f.truncate(data.rfind(b"\n") + 1)
+        with open(path) as f:
+            for line in f:
+                try:
+                    done.add(json.loads(line)["id"])
+                except (json.JSONDecodeError, KeyError):
+                    pass
+    return done
+
+
+def regenerate(input_path, output, make_backend, window=4096, log=print, desc="regenerating"):
+    """Regenerate every row of input_path not yet in output (regenerate_rounds, `window`
+    conversations at a time), appending each conversation to output as soon as it is done (so a
+    kill loses only those in progress; a rerun resumes). make_backend(progress) gives the
+    backend. Rows whose generation failed go to <output>.rejects.jsonl with the reason; rows
+    with nothing to answer within the context limit are counted skips. Returns the summary dict
+    (with a one-line `text`)."""
+    todo, skipped = regeneration_prompts(input_path, done_regeneration_ids(output))
+    for line in skipped.summary()[1:]:
+        log(f"input: {line.strip()}")
+    progress = Progress(sum(sum(m["role"] == "user" for m in c) for _, c in todo), desc, log)
+    t0 = time.perf_counter()
+    backend = make_backend(progress)
+    rejects = output + ".rejects.jsonl"
+    summary = {"rows": 0, "turns": 0, "tokens": 0, "finish": Counter(), "rejected": 0, "rejects": rejects,
+               "skipped": Counter(skipped.skipped_rows)}
+    with open(output, "a") as out, open(rejects, "a") as bad:
+        for finished in regenerate_rounds(backend, todo, window, summary, progress):
+            for c in finished:
+                if c.skip is not None:
+                    summary["skipped"][c.skip] += 1
+                elif c.error is not None:
+                    summary["rejected"] += 1
+                    bad.write(json.dumps({"id": c.row_id, "reason": c.error}) + "\n")
+                else:
+                    out.write(json.dumps({"id": c.row_id, "messages": c.outs}) + "\n")
+                    summary["rows"] += 1
+            for f in (out, bad):
+                f.flush()
+                os.fsync(f.fileno())
+    progress.close()
+    if not summary["rejected"]:
+        os.remove(rejects)
+    dt = time.perf_counter() - t0
+    summary["finish"], summary["skipped"] = dict(summary["finish"]), dict(summary["skipped"])
+    summary["text"] = (f"regenerated {summary['rows']} conversations ({summary['turns']} turns, {summary['tokens']:,} "
+                       f"new tokens, {summary['tokens'] / max(dt, 1e-9):,.0f} tokens/s, {dt:.0f}s) -> {output}; "
+                       f"finish reasons {summary['finish']}; skipped {sum(summary['skipped'].values())} input rows "
+                       f"{summary['skipped'] or ''}")
+    return summary
+
+
+def regenerated_builtin_data(settings, log):
+    """Every built-in conversation worth regenerating (builtin:sharegpt-prompts) with its
+    assistant turns written by the built-in target (the GPU demo's training data): greedy, with
+    the run's chat-template options, each conversation ending where its history reaches
+    --max-length; cached (and resumed where a previous run stopped)."""
+    key = hashlib.sha256(json.dumps([settings.chat_template_kwargs, settings.regen_max_new_tokens, settings.max_length])
+                         .encode()).hexdigest()[:8]
+    out = os.path.join(demo_assets.CACHE, "data", f"sharegpt_prompts.regen-smollm2-{key}.jsonl")
+    done = out + ".done"
+    if os.path.exists(done):
+        return out
+    log(f"demo: regenerating the built-in conversations with the target (once; cached at {out})")
+    regen_args = argparse.Namespace(chat_template_kwargs=settings.chat_template_kwargs,
+                                    max_new_tokens=settings.regen_max_new_tokens,
+                                    batch_size=settings.regen_batch_size, temperature=0.0, top_p=1.0, seed=settings.seed,
+                                    max_context_tokens=settings.max_length, decode_attention=settings.regen_attention)
+    tokenizer = load_tokenizer(settings.target_model)
+    gpus = [torch.device("cuda", i) for i in range(torch.cuda.device_count())]  # one replica each
+    summary = regenerate(demo_assets.builtin_prompts_file(), out, lambda progress: EmbeddedBackend(
+        settings.target_model, gpus, tokenizer, regen_args, progress), log=log, desc="demo: regenerating")
+    log(f"demo: {summary['text']}")
+    torch.cuda.empty_cache()  # the regenerating replica is gone: its cached blocks go too
+    for d in gpus:  # the training log's peak memory is training's, not the regeneration's
+        torch.cuda.reset_peak_memory_stats(d)
+    open(done, "w").close()
+    return out
