@@ -261,8 +261,8 @@ def regenerated_builtin_data(settings, log):
         return out
     log(f"demo: regenerating the built-in conversations with the target (once; cached at {out})")
     regen_args = argparse.Namespace(chat_template_kwargs=settings.chat_template_kwargs,
-                                    max_new_tokens=settings.regen_max_new_tokens,
-                                    batch_size=settings.regen_batch_size, temperature=0.0, top_p=1.0, seed=settings.seed,
+                                    max_new_tokens=settings.regen_max_new_tokens, batch_size=settings.regen_batch_size,
+                                    temperature=0.0, top_p=1.0, seed=settings.seed,
                                     max_context_tokens=settings.max_length, decode_attention=settings.regen_attention)
     tokenizer = load_tokenizer(settings.target_model)
     gpus = [torch.device("cuda", i) for i in range(torch.cuda.device_count())]  # one replica each
