@@ -28,7 +28,7 @@ class UsageError(Exception):
     """A setting that cannot work: reported with what to change, before any model loads."""
 
 
-TOKENIZATION_VERSION = 2  # part of the corpus cache key: a change here never reuses a stale cache
+TOKENIZATION_VERSION = 3  # part of the corpus cache key: a change here never reuses a stale cache
 
 
 ROLE_ALIASES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
@@ -54,12 +54,17 @@ def parse_chat_template_kwargs(text):
 
 
 def row_to_messages(row, require_assistant=True):
-    if "messages" in row:
-        turns = [(m.get("role"), m.get("content")) for m in row["messages"]]
-    elif "conversations" in row:
-        turns = [(m.get("from"), m.get("value")) for m in row["conversations"]]
-    else:
+    """[{role, content}] of a `messages` (OpenAI) or `conversations` (ShareGPT) row, roles
+    normalised; BadRow naming what is wrong with a row that is not one."""
+    field, role_key, text_key = (("messages", "role", "content") if "messages" in row
+                                 else ("conversations", "from", "value") if "conversations" in row else (None,) * 3)
+    if field is None:
         raise BadRow("no 'messages', 'conversations' or 'input_ids'")
+    if not isinstance(row[field], list):
+        raise BadRow(f"{field} is not a list")
+    if not all(isinstance(m, dict) for m in row[field]):
+        raise BadRow(f"a turn of {field} is not a JSON object")
+    turns = [(m.get(role_key), m.get(text_key)) for m in row[field]]
     messages = []
     for role, content in turns:
         if role not in ROLE_ALIASES:
@@ -254,8 +259,10 @@ def row_documents(row, tokenizer, max_length, vocab_size, chat_template_kwargs, 
         raise BadRow("not a JSON object")
     if "input_ids" in row:
         t, m = row["input_ids"], row.get("loss_mask")
-        if m is None or len(m) != len(t) or not t:
-            raise BadRow("input_ids needs a loss_mask of the same length")
+        if not isinstance(t, list) or not all(isinstance(x, int) and not isinstance(x, bool) for x in t):
+            raise BadRow("input_ids is not a list of token ids")
+        if not isinstance(m, list) or len(m) != len(t) or not t or not all(x in (0, 1) for x in m):
+            raise BadRow("input_ids needs a loss_mask of 0s and 1s of the same length")
         if min(t) < 0 or max(t) >= vocab_size:
             raise BadRow("input_ids outside the target vocabulary")
         stats.counts["assistant_turns"] += 1
@@ -272,6 +279,9 @@ def parsed_rows(lines, path, stats):
     for lineno, line in lines:
         stats.counts["rows"] += 1
         where = f"{os.path.basename(path)}:{lineno}"
+        if line is None:
+            stats.note(stats.skipped_rows, "not UTF-8 text", where)
+            continue
         try:
             yield lineno, where, json.loads(line)
         except json.JSONDecodeError as e:
@@ -279,11 +289,16 @@ def parsed_rows(lines, path, stats):
 
 
 def numbered_lines(path, skip=frozenset()):
-    """(line number, text) of every non-empty line of a file whose line number is not in skip."""
-    with open(path, encoding="utf-8", errors="replace") as f:
-        for lineno, line in enumerate(f, 1):
-            if line.strip() and lineno not in skip:
-                yield lineno, line
+    """(line number, text) of every non-empty line of a file whose line number is not in skip;
+    the text is None for a line that is not UTF-8 (never trained as replacement characters)."""
+    with open(path, "rb") as f:
+        for lineno, raw in enumerate(f, 1):
+            if not raw.strip() or lineno in skip:
+                continue
+            try:
+                yield lineno, raw.decode("utf-8")
+            except UnicodeDecodeError:
+                yield lineno, None
 
 
 def jsonl_rows(path, stats, skip=frozenset()):

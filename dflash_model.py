@@ -1203,18 +1203,32 @@ class DFlashDraftModel(nn.Module):
         os.makedirs(path, exist_ok=True)
         state = {k: v.detach().to(dtype or v.dtype).contiguous().cpu() for k, v in self.state_dict().items()}
         save_file(state, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
+        os.chmod(os.path.join(path, "model.safetensors"), 0o666 & ~process_umask())  # as open() would make it
         with open(os.path.join(path, "config.json"), "w") as f:
             json.dump(serving_config_dict(self.config), f, indent=2, sort_keys=True)
+
+    @staticmethod
+    def read_config(path):
+        """The config of a drafter directory (its config.json)."""
+        with open(os.path.join(path, "config.json")) as f:
+            cfg = json.load(f)
+        return Qwen3Config(**{k: v for k, v in cfg.items() if k not in ("model_type", "transformers_version")})
 
     @classmethod
     def from_pretrained(cls, path, device="cpu", dtype=None):
         from safetensors.torch import load_file
-        with open(os.path.join(path, "config.json")) as f:
-            cfg = json.load(f)
-        config = Qwen3Config(**{k: v for k, v in cfg.items() if k not in ("model_type", "transformers_version")})
-        model = cls(config)
+        model = cls(cls.read_config(path))
         model.load_state_dict(load_file(os.path.join(path, "model.safetensors")), strict=True)
         return model.to(device=device, dtype=dtype)
+
+
+def process_umask():
+    """The process's file-creation mask (read, not set: setting it races other threads)."""
+    try:
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1], 8) for line in f if line.startswith("Umask:"))
+    except (OSError, StopIteration, ValueError):
+        return 0o022
 
 
 def embedding_on(module, device, dtype=None):
@@ -1223,6 +1237,25 @@ def embedding_on(module, device, dtype=None):
     if w.device == torch.device(device) and (dtype is None or w.dtype == dtype):
         return module
     return copy.deepcopy(module).to(device, dtype or w.dtype)
+
+
+TRAINING_RECORD = "dflash_training.json"
+
+
+def write_training_record(path, settings):
+    """Beside config.json: how the drafter was trained (target, data, chat-template options,
+    shapes, target layers, mask token), so a server can be set up the same way and an evaluation
+    knows the drafter's own target."""
+    with open(os.path.join(path, TRAINING_RECORD), "w") as f:
+        json.dump(settings, f, indent=1, sort_keys=True)
+
+
+def read_training_record(path):
+    p = os.path.join(path, TRAINING_RECORD)
+    if not os.path.exists(p):
+        return {}
+    with open(p) as f:
+        return json.load(f)
 
 
 def serving_config_dict(config):

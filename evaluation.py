@@ -8,6 +8,7 @@ run, by --eval-interval and by scripts/eval_acceptance.py. Also the teacher-forc
 (tau at every position, decoding replayed over known answers) that training's validation logs.
 """
 
+import hashlib
 import json
 import os
 import time
@@ -17,48 +18,78 @@ import numpy as np
 import torch
 
 import dflash_model as dm
-from chat_data import BadRow, prompt_ids, row_to_messages
+from chat_data import BadRow, DocumentStats, jsonl_rows, prompt_ids, row_to_messages
 from decoding import generate, lookup_accepted, speculative_generate
 from demo_assets import BUILTIN_MODEL, mtbench_file
 from target_model import collect_layer_outputs, load_full_target, load_tokenizer, stop_token_ids
 
-def read_prompts(path):
-    """[(category, [user turn, ...]), ...] from a JSONL file. A pre-tokenised row (input_ids)
-    is one turn given as token ids: the prompt exactly as the target reads it."""
-    out = []
-    with open(path) as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            row = json.loads(line)
-            if "input_ids" in row:
-                turns = [[int(t) for t in row["input_ids"]]]
-            elif "turns" in row:
-                turns = list(row["turns"])
-            elif "prompt" in row:
-                turns = [row["prompt"]]
-            elif "messages" in row or "conversations" in row:
-                try:
-                    messages = row_to_messages(row, require_assistant=False)
-                except BadRow as e:
-                    raise ValueError(f"{path}:{lineno}: {e}") from None
-                turns = [m["content"] for m in messages if m["role"] == "user"]
-            else:
-                raise ValueError(f"{path}:{lineno}: no prompt, turns, messages, conversations or input_ids")
-            if turns:
-                out.append((row.get("category", "all"), turns))
+def prompt_turns(row):
+    """The user turns of one prompts-file row: text, or token ids (input_ids: one turn, the prompt
+    exactly as the target reads it). BadRow, naming the reason, for a row that is none of these."""
+    if not isinstance(row, dict):
+        raise BadRow("not a JSON object")
+    is_text = lambda t: isinstance(t, str) and t.strip() != ""
+    if "input_ids" in row:
+        ids = row["input_ids"]
+        if not (isinstance(ids, list) and ids and all(isinstance(t, int) and not isinstance(t, bool) for t in ids)):
+            raise BadRow("input_ids is not a list of token ids")
+        return [ids]
+    if "turns" in row:
+        if not (isinstance(row["turns"], list) and row["turns"] and all(map(is_text, row["turns"]))):
+            raise BadRow("turns is not a non-empty list of text")
+        return list(row["turns"])
+    if "prompt" in row:
+        if not is_text(row["prompt"]):
+            raise BadRow("prompt is not text")
+        return [row["prompt"]]
+    if "messages" in row or "conversations" in row:
+        turns = [m["content"] for m in row_to_messages(row, require_assistant=False) if m["role"] == "user"]
+        if not turns or not all(map(is_text, turns)):
+            raise BadRow("no user turn with text")
+        return turns
+    raise BadRow("no prompt, turns, messages, conversations or input_ids")
+
+
+def read_prompts(path, log=print):
+    """[(category, [user turn, ...]), ...] from a JSONL prompts file. Rows that cannot be used
+    (bad JSON, not UTF-8, a field of the wrong type, no turn) are skipped, counted by reason with
+    file:line examples, and said; a file with no usable row is an error."""
+    out, stats = [], DocumentStats()
+    for _, where, row in jsonl_rows(path, stats):
+        try:
+            out.append((str(row.get("category", "all")), prompt_turns(row)))
+        except BadRow as e:
+            stats.note(stats.skipped_rows, str(e), where)
+    for line in stats.summary()[1:]:
+        log(f"prompts: {line.strip()}")
+    if not out:
+        raise ValueError(f"{path}: no usable prompt ({stats.counts['rows']} rows; {stats.skipped_rows})")
     return out
 
 
-def heldout_prompts(settings, tokenizer, n):
-    """Prompts the pipeline's final evaluation uses: --eval-data, else MT-Bench for the built-in
-    target (never in its built-in training data, whichever of them it trains on), else none."""
+def file_digest(path):
+    """sha256 of a file's bytes: which prompts a report measured."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def heldout_prompts_file(settings):
+    """--eval-data, else MT-Bench for the built-in target (never in its built-in training data,
+    whichever of them it trains on), else None."""
     if getattr(settings, "eval_data", None):
-        prompts = read_prompts(settings.eval_data)
-    elif settings.target_model == BUILTIN_MODEL:
-        prompts = read_prompts(mtbench_file())
-    else:
+        return settings.eval_data
+    return mtbench_file() if settings.target_model == BUILTIN_MODEL else None
+
+
+def heldout_prompts(settings, tokenizer, n):
+    """Prompts the pipeline's evaluations use: n of heldout_prompts_file's, spread over it."""
+    path = heldout_prompts_file(settings)
+    if path is None:
         return []
+    prompts = read_prompts(path)
     if n <= 0:
         return []
     step = max(1, len(prompts) // n)
@@ -264,16 +295,55 @@ def evaluate_models(target, tokenizer, drafter, prompts, device, max_new_tokens,
     return report
 
 
+def drafter_target_mismatches(drafter_config, target_config):
+    """What a drafter's config says of its target that this target is not: hidden size,
+    vocabulary, layer count, target layers past its layers. An empty list if it fits."""
+    tc = dm.text_config(target_config)
+    layers = tc.num_hidden_layers
+    ids = list(drafter_config.dflash_config["target_layer_ids"])
+    out = [f"{name} {getattr(drafter_config, name)} (the target: {getattr(tc, name)})"
+           for name in ("hidden_size", "vocab_size") if getattr(drafter_config, name) != getattr(tc, name)]
+    if getattr(drafter_config, "num_target_layers", layers) != layers:
+        out.append(f"num_target_layers {drafter_config.num_target_layers} (the target: {layers})")
+    if max(ids) >= layers:
+        out.append(f"target_layer_ids {ids} (the target has {layers} layers)")
+    return out
+
+
+def evaluation_report_path(target_name, drafter_dir, output=None):
+    """Where a report goes: --output where given; else beside the drafter, but only when the
+    target is the drafter's own (its training record's), so a report against another target never
+    takes the place of the drafter's own."""
+    if output is not None:
+        return output
+    trained_for = dm.read_training_record(drafter_dir).get("target_model")
+    if trained_for is not None and trained_for != target_name:
+        raise ValueError(f"{drafter_dir} was trained for {trained_for}, not {target_name}: name the report's file "
+                         "(--output) rather than replace the drafter's own eval_acceptance.json")
+    return os.path.join(drafter_dir, "eval_acceptance.json")
+
+
 def evaluate_drafter_dir(target_name, drafter_dir, prompts, device, max_new_tokens, chat_template_kwargs=None,
-                         log=print, target=None, batch_size=64):
-    """evaluate_models on a saved drafter directory (`target`: an already loaded target to reuse);
-    the report is written beside the drafter as eval_acceptance.json."""
+                         log=print, target=None, batch_size=64, prompt_files=(), output=None):
+    """evaluate_models on a saved drafter directory (`target`: an already loaded target to reuse),
+    after checking that the drafter fits the target (ValueError naming each difference, before
+    anything decodes). The report says what it measured (target, drafter, prompt files and their
+    hashes, decoding settings) and is written to evaluation_report_path()."""
+    path = evaluation_report_path(target_name, drafter_dir, output)
+    config = dm.DFlashDraftModel.read_config(drafter_dir)
     target = target if target is not None else load_full_target(target_name, device)
+    wrong = drafter_target_mismatches(config, target.config)
+    if wrong:
+        raise ValueError(f"the drafter {drafter_dir} does not fit the target {target_name}: {'; '.join(wrong)}")
     tokenizer = load_tokenizer(target_name)
     dtype = next(target.parameters()).dtype
     drafter = dm.DFlashDraftModel.from_pretrained(drafter_dir, device=device, dtype=dtype).attach_target(target).eval()
     report = evaluate_models(target, tokenizer, drafter, prompts, device, max_new_tokens, log, chat_template_kwargs,
                              batch_size)
-    with open(os.path.join(drafter_dir, "eval_acceptance.json"), "w") as f:
+    report.update(target=target_name, drafter=os.path.abspath(drafter_dir),
+                  prompt_files=[{"file": os.path.abspath(f), "sha256": file_digest(f)} for f in prompt_files],
+                  decoding={"temperature": 0.0, "max_new_tokens": max_new_tokens, "batch_size": batch_size,
+                            "chat_template_kwargs": chat_template_kwargs or {}})
+    with open(path, "w") as f:
         json.dump(report, f, indent=1)
     return report

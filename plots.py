@@ -5,10 +5,19 @@ import os
 
 import numpy as np
 
-def run_records(out_dir):
-    """A run directory's metrics.jsonl records and its final evaluation report (None if none)."""
+def run_records(out_dir, log=print):
+    """A run directory's metrics.jsonl records and its final evaluation report (None if none).
+    A line that is not a whole record (a kill or a full disk mid-write) is skipped and said."""
+    recs = []
     with open(os.path.join(out_dir, "metrics.jsonl")) as f:
-        recs = [json.loads(line) for line in f if line.strip()]
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                recs.append(json.loads(line))
+            except ValueError:
+                log(f"metrics: {out_dir}/metrics.jsonl:{lineno} is not a whole record (torn by a kill or a full "
+                    "disk?); skipped")
     report_path = os.path.join(out_dir, "final", "eval_acceptance.json")
     final = None
     if os.path.exists(report_path):
@@ -28,7 +37,7 @@ def write_plots(out_dir, log=print):
     except ImportError:
         log("plots: matplotlib is not installed; no plots written")
         return []
-    recs, final = run_records(out_dir)
+    recs, final = run_records(out_dir, log)
     train = [r for r in recs if "loss" in r]
     evals = [r for r in recs if "eval_acceptance_length" in r]
     written = []

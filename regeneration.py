@@ -11,6 +11,7 @@ import argparse
 import hashlib
 import json
 import os
+import signal
 import threading
 import time
 import traceback
@@ -24,11 +25,19 @@ import demo_assets
 from dflash_model import text_config
 from target_model import load_full_target, load_tokenizer, stop_token_ids
 
-def regeneration_prompts(path, done_ids):
-    """(rows to do [(id, messages without assistant turns)], DocumentStats of skips). Leading
-    assistant turns are dropped (no request precedes them); rows without a user turn skipped."""
-    todo, stats = [], DocumentStats()
-    for lineno, where, row in jsonl_rows(path, stats, done_ids):
+def prompt_key(asks):
+    """A row's identity by content: a hash of the turns regeneration answers."""
+    return hashlib.sha256(json.dumps(asks, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def regeneration_prompts(path, done):
+    """(rows to do [(id, key, messages without assistant turns)], DocumentStats of skips). A row
+    is done when the output holds its line number with its prompt_key (done: {id: key}; None for
+    rows written without a key, matched by position alone); a row whose line the output holds
+    with another key comes from another input, and is refused (ValueError). Leading assistant
+    turns are dropped (no request precedes them); rows without a user turn skipped."""
+    todo, stats, other = [], DocumentStats(), []
+    for lineno, where, row in jsonl_rows(path, stats):
         try:
             messages = row_to_messages(row if isinstance(row, dict) else {}, require_assistant=False)
         except BadRow as e:
@@ -38,7 +47,14 @@ def regeneration_prompts(path, done_ids):
         if not any(m["role"] == "user" for m in asks):
             stats.note(stats.skipped_rows, "no user turn", where)
             continue
-        todo.append((lineno, asks))
+        key = prompt_key(asks)
+        if lineno in done and done[lineno] not in (key, None):
+            other.append(where)
+        elif lineno not in done:
+            todo.append((lineno, key, asks))
+    if other:
+        raise ValueError(f"the output holds answers to other prompts than {len(other)} rows of {path} have "
+                         f"(e.g. {', '.join(other[:3])}): it was written from another input; write to another output")
     return todo, stats
 
 
@@ -46,8 +62,8 @@ class Regeneration:
     """One conversation being regenerated: its messages so far (`outs`), the user and system
     turns still to come (`rest`), why it failed, if it did, and why it was skipped, if it was."""
 
-    def __init__(self, row_id, asks):
-        self.row_id, self.outs, self.rest, self.error, self.skip = row_id, [], list(asks), None, None
+    def __init__(self, row_id, key, asks):
+        self.row_id, self.key, self.outs, self.rest, self.error, self.skip = row_id, key, [], list(asks), None, None
 
     def next_turn(self):
         """Moves the next user turn (and the system turns before it) into outs; False if none is
@@ -61,7 +77,7 @@ class Regeneration:
 
 
 def regenerate_rounds(backend, todo, window, summary, progress=None):
-    """Every conversation of todo ([(id, messages without assistant turns)]) with an assistant
+    """Every conversation of todo ([(id, prompt key, messages without assistant turns)]) with an assistant
     turn after each user turn, written by backend(list of message lists) -> [(text or None if it
     failed, finish reason or the error, tokens)], each turn given the conversation so far. In
     rounds: each round asks the next turn of up to `window` conversations, topped up from todo as
@@ -190,8 +206,9 @@ class ServerBackend:
 
 
 def done_regeneration_ids(path):
-    """Ids already written; a last line cut off by a kill is cut away (it is regenerated)."""
-    done = set()
+    """{id: prompt key (None where the row has none)} of the rows already written; a last line
+    cut off by a kill is cut away (it is regenerated)."""
+    done = {}
     if os.path.exists(path):
         with open(path, "rb+") as f:
             data = f.read()
@@ -200,7 +217,8 @@ def done_regeneration_ids(path):
         with open(path) as f:
             for line in f:
                 try:
-                    done.add(json.loads(line)["id"])
+                    row = json.loads(line)
+                    done[row["id"]] = row.get("key")
                 except (json.JSONDecodeError, KeyError):
                     pass
     return done
@@ -211,17 +229,25 @@ def regenerate(input_path, output, make_backend, window=4096, log=print, desc="r
     conversations at a time), appending each conversation to output as soon as it is done (so a
     kill loses only those in progress; a rerun resumes). make_backend(progress) gives the
     backend. Rows whose generation failed go to <output>.rejects.jsonl with the reason; rows
-    with nothing to answer within the context limit are counted skips. Returns the summary dict
-    (with a one-line `text`)."""
+    with nothing to answer within the context limit are counted skips. SIGINT (in the main
+    thread) stops after the round under way, every finished conversation written; a second one
+    stops at once. Returns the summary dict (with a one-line `text`; `interrupted`)."""
     todo, skipped = regeneration_prompts(input_path, done_regeneration_ids(output))
     for line in skipped.summary()[1:]:
         log(f"input: {line.strip()}")
-    progress = Progress(sum(sum(m["role"] == "user" for m in c) for _, c in todo), desc, log)
+    progress = Progress(sum(sum(m["role"] == "user" for m in c) for _, _, c in todo), desc, log)
     t0 = time.perf_counter()
     backend = make_backend(progress)
     rejects = output + ".rejects.jsonl"
     summary = {"rows": 0, "turns": 0, "tokens": 0, "finish": Counter(), "rejected": 0, "rejects": rejects,
-               "skipped": Counter(skipped.skipped_rows)}
+               "skipped": Counter(skipped.skipped_rows), "interrupted": False}
+
+    def on_sigint(signum, frame):
+        summary["interrupted"] = True
+        log("interrupted: stopping after the round under way (again to stop at once); a rerun resumes")
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+    in_main = threading.current_thread() is threading.main_thread()
+    old_handler = signal.signal(signal.SIGINT, on_sigint) if in_main else None
     with open(output, "a") as out, open(rejects, "a") as bad:
         for finished in regenerate_rounds(backend, todo, window, summary, progress):
             for c in finished:
@@ -231,11 +257,15 @@ def regenerate(input_path, output, make_backend, window=4096, log=print, desc="r
                     summary["rejected"] += 1
                     bad.write(json.dumps({"id": c.row_id, "reason": c.error}) + "\n")
                 else:
-                    out.write(json.dumps({"id": c.row_id, "messages": c.outs}) + "\n")
+                    out.write(json.dumps({"id": c.row_id, "key": c.key, "messages": c.outs}) + "\n")
                     summary["rows"] += 1
             for f in (out, bad):
                 f.flush()
                 os.fsync(f.fileno())
+            if summary["interrupted"]:
+                break
+    if in_main:
+        signal.signal(signal.SIGINT, old_handler)
     progress.close()
     if not summary["rejected"]:
         os.remove(rejects)

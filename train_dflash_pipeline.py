@@ -15,8 +15,11 @@ has the threads, streams and queues, and why each design choice.
 """
 
 import argparse
+import contextlib
 import copy
 import dataclasses
+import errno
+import fcntl
 import glob
 import hashlib
 import json
@@ -26,12 +29,14 @@ import queue
 import re
 import shutil
 import signal
+import socket
 import sys
 import threading
 import time
 import traceback
+import uuid
+import collections
 from collections import Counter
-from contextlib import nullcontext
 
 import numpy as np
 import torch
@@ -41,7 +46,7 @@ from chat_data import UsageError, load_corpus, parse_chat_template_kwargs, rende
     special_token_ids
 from demo_assets import BUILTIN_DATA, BUILTIN_MODEL, BUILTIN_REGENERATED
 from evaluation import accepted_lengths_everywhere, evaluate_drafter_dir, evaluate_models, heldout_prompts, \
-    replayed_over_answers
+    heldout_prompts_file, replayed_over_answers
 from flat_adamw import FlatAdamW, GradInto, WeightGradsIntoBuffer, flat_views
 from plots import write_plots
 from regeneration import regenerated_builtin_data
@@ -97,8 +102,10 @@ def build_parser():
     a("--seed", type=int, default=0)
     a("--log-interval", type=int, default=10)
     a("--save-interval", type=int, default=1000)
-    a("--keep-checkpoints", type=int, default=3)
+    a("--keep-checkpoints", type=int, default=3, help="this run's newest checkpoints kept (at least 1)")
     a("--resume", default=None, help="a checkpoint directory, or 'auto' for the latest in --output-dir")
+    a("--overwrite", action="store_true",
+      help="start afresh in an --output-dir that holds another run: its checkpoints, final/ and metrics go first")
     a("--resume-anyway", action="store_true",
       help="resume even where the checkpoint was made with other data or settings (said in the log)")
     a("--compile", action="store_true", help="compile each drafter step and replay it as one CUDA graph")
@@ -238,9 +245,20 @@ def check_flags(flags):
         raise UsageError(f"--decay-ratio {flags.decay_ratio} must be in (0, 1]")
     # grad_clip 0 would scale every update to nothing
     for name in ("lr", "epochs", "log_interval", "save_interval", "queue_depth", "ce_chunk_size", "regen_batch_size",
-                 "grad_clip"):
+                 "grad_clip", "num_draft_layers", "eval_max_new_tokens", "eval_turns", "regen_max_new_tokens",
+                 "switch_interval", "dist_timeout", "keep_checkpoints"):
         if getattr(flags, name) <= 0:
-            raise UsageError(f"--{name.replace('_', '-')} must be positive")
+            raise UsageError(f"--{name.replace('_', '-')} {getattr(flags, name)} must be positive")
+    if flags.max_steps is not None and flags.max_steps < 1:
+        raise UsageError(f"--max-steps {flags.max_steps} must be at least 1 (leave it out to train --epochs)")
+    for name in ("weight_decay", "eval_prompts", "eval_interval", "val_interval", "val_rows"):
+        if getattr(flags, name) < 0:
+            raise UsageError(f"--{name.replace('_', '-')} {getattr(flags, name)} must be 0 or more")
+    for name in ("warmup_ratio", "val_fraction"):
+        if not 0 <= getattr(flags, name) < 1:
+            raise UsageError(f"--{name.replace('_', '-')} {getattr(flags, name)} must be in [0, 1)")
+    if flags.resume and flags.overwrite:
+        raise UsageError("--resume continues the run in --output-dir, --overwrite replaces it: give one of them")
 
 
 def rounded_token_budget(flags, quiet=False):
@@ -298,7 +316,13 @@ def check_target_config(config, name):
 def target_config(name):
     """The target's transformers config, checked: a decoder-only causal LM."""
     from transformers import AutoConfig
-    config = AutoConfig.from_pretrained(resolve_model_path(name))
+    path = resolve_model_path(name)
+    if os.path.sep in name and not os.path.isdir(path):
+        raise UsageError(f"--target-model {name}: no such directory")
+    try:
+        config = AutoConfig.from_pretrained(path)
+    except (OSError, ValueError) as e:
+        raise UsageError(f"--target-model {name}: its config cannot be read ({str(e).splitlines()[0][:200]})") from None
     check_target_config(config, name)
     return config
 
@@ -343,6 +367,8 @@ def resolve_settings(flags):
         layer_ids = ([int(x) for x in flags.target_layer_ids.split(",")] if flags.target_layer_ids
                      else dm.default_target_layer_ids(tc.num_hidden_layers, flags.num_draft_layers))
         dm.check_target_layer_ids(layer_ids, tc.num_hidden_layers)
+        if flags.target_layer_ids and len(set(layer_ids)) != len(layer_ids):
+            raise ValueError("each layer once: a repeated layer adds nothing the drafter could use")
     except ValueError as e:
         raise UsageError(f"--target-layer-ids {flags.target_layer_ids}: {e}") from None
     target_attention, compile_target = resolve_target_stage(flags, target_devices)
@@ -898,7 +924,7 @@ class DrafterWorker:
 
     def autocast(self):
         return torch.autocast("cuda", dtype=torch.bfloat16, cache_enabled=False) if self.device.type == "cuda" \
-            else nullcontext()
+            else contextlib.nullcontext()
 
     def compute_loss(self, target_hidden, input_ids, loss_mask, doc_ids, position_ids, anchor_noise):
         """The loss and stats; its backward writes the gradients into the flat buffer (GradInto)."""
@@ -1064,7 +1090,7 @@ class DrafterWorker:
 
     def main(self):
         try:
-            with torch.cuda.stream(self.stream) if self.stream is not None else nullcontext():
+            with torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext():
                 if self.device.type == "cuda":
                     with COMPILE_LOCK:  # never held across the gradient averaging: that would deadlock
                         self.warm_up()
@@ -1294,6 +1320,9 @@ class RunPlan:
     defining: dict  # defining_settings()
     length_flags: dict  # the flags the schedule was planned from (length_flags())
     start_elapsed_s: float = 0.0  # seconds of training before this process (the checkpoint's)
+    # Which run this is: a fresh run draws one, a resumed run keeps its checkpoint's. Pruning
+    # removes only this run's checkpoints.
+    run_id: str = dataclasses.field(default_factory=lambda: uuid.uuid4().hex[:12])
 
     @property
     def total_steps(self):
@@ -1329,43 +1358,100 @@ def fsync_path(path):
         os.close(fd)
 
 
-TRAINING_RECORD = "dflash_training.json"
+class OutputDirLock:
+    """An exclusive lock on --output-dir for the run's life, its holder's host and pid written in
+    it: a second run on the same directory is refused at start-up instead of interleaving its
+    metrics and checkpoints with the first's. The lock goes with the process (or release())."""
+
+    def __init__(self, output_dir):
+        os.makedirs(output_dir, exist_ok=True)
+        self.file = open(os.path.join(output_dir, ".lock"), "a+")
+        try:
+            fcntl.flock(self.file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            self.file.seek(0)
+            holder = self.file.read().strip() or "another process"
+            self.file.close()
+            raise UsageError(f"--output-dir {output_dir} is in use by another run ({holder}); wait for it to end, or "
+                             "choose another --output-dir") from None
+        self.file.seek(0)
+        self.file.truncate()
+        self.file.write(f"host {socket.gethostname()}, pid {os.getpid()}\n")
+        self.file.flush()
+
+    def release(self):
+        if not self.file.closed:
+            fcntl.flock(self.file, fcntl.LOCK_UN)
+            self.file.close()
 
 
-def write_training_record(path, settings):
-    """Beside config.json: how the drafter was trained, so a server can be set up the same way
-    (the chat-template options above all)."""
-    with open(os.path.join(path, TRAINING_RECORD), "w") as f:
-        json.dump(settings, f, indent=1, sort_keys=True)
+def claim_output_dir(settings):
+    """A fresh run (no --resume) into a directory holding another run's checkpoints, final/ or
+    metrics is refused, naming them, unless --overwrite says to clear them first: a fresh run
+    there would prune, resume from or mix with the other run's files. Returns what it cleared."""
+    out = settings.output_dir
+    found = [f"checkpoints/step_{s}" for s in checkpoint_steps(out)]
+    found += ["final"] if os.path.exists(os.path.join(out, "final")) else []
+    metrics = os.path.join(out, "metrics.jsonl")
+    found += ["metrics.jsonl"] if os.path.exists(metrics) and os.path.getsize(metrics) else []
+    if settings.resume or not found:
+        return []
+    if not settings.overwrite:
+        raise UsageError(f"--output-dir {out} holds another run ({', '.join(found[:4])}"
+                         f"{', ...' if len(found) > 4 else ''}): pass --resume auto to continue it, --overwrite to "
+                         "replace it, or choose another --output-dir")
+    for name in ("checkpoints", "final", "metrics.jsonl", "training.png", "acceptance.png"):
+        path = os.path.join(out, name)
+        shutil.rmtree(path) if os.path.isdir(path) else os.path.exists(path) and os.remove(path)
+    return found
 
 
-def read_training_record(path):
-    p = os.path.join(path, TRAINING_RECORD)
-    if not os.path.exists(p):
-        return {}
-    with open(p) as f:
-        return json.load(f)
+RUN_RECORD = "run.json"  # in each checkpoint: which run wrote it, so pruning never touches another's
+
+
+def checkpoint_run_id(out_dir, step):
+    try:
+        with open(os.path.join(out_dir, "checkpoints", f"step_{step}", RUN_RECORD)) as f:
+            return json.load(f)["run_id"]
+    except (OSError, ValueError, KeyError):
+        return None
 
 
 def save_checkpoint(out_dir, step, worker, plan, keep, elapsed_s=0.0):
     """A kill at any point leaves the previous checkpoints intact: write to a temporary
-    directory, fsync its files, then rename; prune old ones only after the new one exists."""
+    directory, fsync its files, then rename; prune old ones only after the new one exists, and
+    only this run's (never the one just written). A full disk is said as such, the partial
+    temporary directory removed."""
     root = os.path.join(out_dir, "checkpoints")
     final, tmp = os.path.join(root, f"step_{step}"), os.path.join(root, f".tmp_step_{step}")
     shutil.rmtree(tmp, ignore_errors=True)
-    worker.drafter.save_pretrained(tmp)  # fp32 master weights, servable as is
-    write_training_record(tmp, plan.defining)
     state = {"step": step, "consumed_batches": plan.cursor_after(step), "num_workers": plan.num_workers,
              "schedule": plan.schedule, "length_flags": plan.length_flags, "settings": plan.defining,
-             "elapsed_s": elapsed_s, "optimizer": worker.optimizer.state_dict()}
-    torch.save(state, os.path.join(tmp, "training_state.pt"))
-    for name in os.listdir(tmp):
-        fsync_path(os.path.join(tmp, name))
-    fsync_path(tmp)
+             "elapsed_s": elapsed_s, "run_id": plan.run_id, "optimizer": worker.optimizer.state_dict()}
+    try:
+        worker.drafter.save_pretrained(tmp)  # fp32 master weights, servable as is
+        dm.write_training_record(tmp, plan.defining)
+        with open(os.path.join(tmp, RUN_RECORD), "w") as f:
+            json.dump({"run_id": plan.run_id, "step": step}, f)
+        torch.save(state, os.path.join(tmp, "training_state.pt"))
+        for name in os.listdir(tmp):
+            fsync_path(os.path.join(tmp, name))
+        fsync_path(tmp)
+    except (OSError, RuntimeError) as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if isinstance(e, OSError) and e.errno == errno.ENOSPC or "No space left" in str(e):
+            tensors = [t for t in worker.drafter.state_dict().values()] + \
+                [t for st in worker.optimizer.state.values() for t in st.values() if isinstance(t, torch.Tensor)]
+            need = sum(t.numel() * t.element_size() for t in tensors)
+            os.makedirs(root, exist_ok=True)
+            raise OSError(errno.ENOSPC, f"disk full at {root}: a checkpoint needs about {need:,} bytes, "
+                          f"{shutil.disk_usage(root).free:,} are free; the last good checkpoint is kept") from None
+        raise
     shutil.rmtree(final, ignore_errors=True)
     os.replace(tmp, final)
     fsync_path(root)
-    for old in checkpoint_steps(out_dir)[:-keep]:
+    mine = [s for s in checkpoint_steps(out_dir) if s != step and checkpoint_run_id(out_dir, s) == plan.run_id]
+    for old in mine[:max(0, len(mine) - (keep - 1))]:
         shutil.rmtree(os.path.join(root, f"step_{old}"), ignore_errors=True)
     return final
 
@@ -1385,12 +1471,17 @@ def find_checkpoint(spec, out_dir, log):
         if not os.path.exists(os.path.join(spec, "training_state.pt")):
             raise UsageError(f"--resume {spec}: not a checkpoint directory (no training_state.pt)")
         return (spec, *load_checkpoint(spec))
-    for step in reversed(checkpoint_steps(out_dir)):
+    steps = checkpoint_steps(out_dir)
+    for step in reversed(steps):
         path = os.path.join(out_dir, "checkpoints", f"step_{step}")
         try:
             return (path, *load_checkpoint(path))
         except Exception as e:
             log(f"resume: {path} cannot be read ({type(e).__name__}: {str(e)[:120]}); trying the one before")
+    if steps:
+        raise UsageError(f"--resume auto: no checkpoint in {out_dir}/checkpoints can be read "
+                         f"({', '.join(f'step_{s}' for s in steps)}); name a good one with --resume DIR, or start "
+                         "afresh with --overwrite")
     return None
 
 
@@ -1404,6 +1495,7 @@ def plan_run(settings, defining, batches, num_workers, state, log):
     schedule, flags = planned_schedule(settings, batches.batches_per_epoch, num_workers), length_flags(settings)
     if state is None:
         return RunPlan(0, 0, num_workers, schedule, defining, flags)
+    run_id = state.get("run_id") or uuid.uuid4().hex[:12]  # checkpoints from before run ids: a new one
     old = state.get("settings")
     if old is None:
         log("resume: the checkpoint predates recorded settings; they are not checked")
@@ -1432,7 +1524,7 @@ def plan_run(settings, defining, batches, num_workers, state, log):
     if state.get("num_workers", num_workers) != num_workers:
         log(f"resume: {num_workers} drafter workers now, {state['num_workers']} when the checkpoint was made: "
             f"continuing from batch {cursor} with the same schedule")
-    return RunPlan(state["step"], cursor, num_workers, schedule, defining, flags, state.get("elapsed_s", 0.0))
+    return RunPlan(state["step"], cursor, num_workers, schedule, defining, flags, state.get("elapsed_s", 0.0), run_id)
 
 
 def length_flags(settings):
@@ -1452,7 +1544,8 @@ class RunLog:
         os.makedirs(output_dir, exist_ok=True)
         name = "train.log" if cluster.is_main else f"train.rank{cluster.rank}.log"
         self.file = open(os.path.join(output_dir, name), "a")
-        self.metrics = open(os.path.join(output_dir, "metrics.jsonl"), "a") if cluster.is_main else None
+        self.metrics_path = os.path.join(output_dir, "metrics.jsonl")
+        self.metrics = open(self.metrics_path, "a") if cluster.is_main else None
         self.bar = None  # the step bar while batches stream (start_steps .. end_steps)
         self.before_s, self.t_start = 0.0, None  # training seconds of earlier processes; this one's start
 
@@ -1480,6 +1573,28 @@ class RunLog:
         """Seconds of training so far, resumed runs' earlier processes included (validations and
         evaluations count: they are part of what a run costs)."""
         return self.before_s + (time.perf_counter() - self.t_start if self.t_start is not None else 0.0)
+
+    def drop_records_after(self, step):
+        """metrics.jsonl without the records of steps after `step` (a resumed run redoes them) and
+        without a torn last line (a kill or a full disk mid-write); rewritten whole, then reopened."""
+        if self.metrics is None:
+            return
+        self.metrics.close()
+        with open(self.metrics_path) as f:
+            lines = f.readlines()
+        def before(line):
+            try:
+                return line.endswith("\n") and json.loads(line).get("step", 0) <= step
+            except ValueError:
+                return False
+        kept = [line for line in lines if before(line)]
+        if len(kept) != len(lines):
+            self(f"metrics.jsonl: {len(lines) - len(kept)} records after step {step} (or torn) dropped")
+            tmp = self.metrics_path + ".tmp"
+            with open(tmp, "w") as f:
+                f.writelines(kept)
+            os.replace(tmp, self.metrics_path)
+        self.metrics = open(self.metrics_path, "a")
 
     def record(self, rec):
         """One line of metrics.jsonl (first machine only), stamped with the training time so far."""
@@ -1653,6 +1768,9 @@ class HeldOut:
 # -----------------------------------------------------------------------------
 # The run: what the main thread and the drafter workers share while batches stream
 
+HEALTH_WINDOW = 3  # metrics lines the health check looks back over
+
+
 class Run:
     """The stop flag and errors, the step bookkeeping (each worker reports each step; the last
     one in logs, validates, evaluates and saves), the metrics, and the checkpoint duty. One
@@ -1674,6 +1792,8 @@ class Run:
         self.workers = [DrafterWorker(i, dev, d, settings, self.averager, self)
                         for i, (dev, d) in enumerate(zip(settings.drafter_devices, drafters))]
         self.last_log = (time.perf_counter(), plan.start_step)  # (when, step) of the last metrics line
+        self.recent = collections.deque(maxlen=HEALTH_WINDOW)  # (loss, grad norm) of the last metrics lines
+        self.first_weight_norm, self.health_said = None, set()
         self.target_clock, self.target_batches_fed, self.target_logged = StageClock(), 0, (0.0, 0)
 
     def lr_for_step(self, step):
@@ -1713,6 +1833,11 @@ class Run:
                 return
             del self.reported[step]
         self.check_finite(step)
+        if main and not os.path.isdir(s.output_dir):
+            os.makedirs(s.output_dir, exist_ok=True)
+            self.save(step)
+            raise RuntimeError(f"--output-dir {s.output_dir} vanished during the run; step {step} was saved to a "
+                               "recreated one, and the run stops (its logs and metrics were lost with the directory)")
         if due_log:
             rec = self.write_metrics(step)
         val_replayed = self.held_out.validate(self.workers[0], step, rec["tau_hat"]) if due_val else None
@@ -1768,7 +1893,10 @@ class Run:
             w.stats = None
         self.last_log = (now, step)
         self.advise_split(target_s, target_n)
+        rec["weight_norm"] = float(torch.linalg.vector_norm(torch.stack(
+            [p.detach().float().norm() for p in self.workers[0].drafter.parameters()])))
         self.log.record(rec)
+        self.check_health(step, rec)
         tt = f"{rec['target_tokens_per_s']:,.0f}" if rec["target_tokens_per_s"] else "-"
         self.log(f"step {step}/{self.total_steps} ep {rec['epoch']:.2f} | tok/s {rec['tokens_per_s']:,.0f} "
                  f"(real {rec['real_tokens_per_s']:,.0f}, target stage {tt}) | drafter "
@@ -1776,6 +1904,27 @@ class Run:
                  f"acc {m['acc_mean']:.3f} tau {m['tau_hat']:.2f} | lr {rec['lr']:.2e} gnorm {rec['grad_norm']:.3f}"
                  + (f" | peak GB {rec['peak_mem_gb']}" if rec["peak_mem_gb"] else ""))
         return rec
+
+    def check_health(self, step, rec):
+        """A run that trains nothing is said in the log (and in metrics.jsonl as `health`), once:
+        gradients about zero with the loss flat over the last HEALTH_WINDOW metrics lines (a dead
+        drafter: a learning rate far too high saturates it), or weights grown a hundredfold."""
+        self.recent.append((rec["loss"], rec["grad_norm"]))
+        self.first_weight_norm = self.first_weight_norm or rec["weight_norm"]
+        losses = [loss for loss, _ in self.recent]
+        problems = {}
+        if len(self.recent) == HEALTH_WINDOW and max(g for _, g in self.recent) < 1e-4 and \
+                max(losses) - min(losses) <= 1e-3 * abs(losses[-1]):
+            problems["dead"] = (f"the gradient norm is about 0 and the loss flat at {losses[-1]:.4f} over the last "
+                                f"{HEALTH_WINDOW} log lines: the drafter trains nothing (is --lr far too high?)")
+        if rec["weight_norm"] > 100 * self.first_weight_norm:
+            problems["exploding"] = (f"the weights' norm grew from {self.first_weight_norm:.3g} to "
+                                     f"{rec['weight_norm']:.3g} (is --lr far too high?)")
+        for kind, text in problems.items():
+            if kind not in self.health_said:
+                self.health_said.add(kind)
+                self.log(f"health: step {step}: {text}")
+                self.log.record({"step": step, "health": kind})
 
     def advise_split(self, target_s, target_n):
         """Logs split_advice once both stages have timed two batches; then the workers stop timing."""
@@ -1862,32 +2011,43 @@ def run_pipeline(run, replicas, optimizer_state=None, show_progress=True):
     run.held_out.add_target_hidden(replicas[0])
 
     # SIGINT/SIGTERM stop feeding at a step boundary; the end of the run saves.
-    def on_signal(signum, frame):
+    def on_signal(signum):
         run.stop_asked = True
         if run.cluster.world_size == 1:
             run.log(f"signal {signum}: finishing the queued steps, saving a checkpoint, exiting")
             run.interrupted = True
         else:
             run.log(f"signal {signum}: every machine stops after the next step, then a checkpoint is saved")
-    in_main = threading.current_thread() is threading.main_thread()
-    old_handlers = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)} if in_main else {}
     for w in run.workers:
         w.thread.start()
-    try:
-        # Captures happen one worker at a time, before any batch streams (docs/architecture.md).
-        while not all(w.ready.is_set() for w in run.workers) and not run.stop.is_set():
-            time.sleep(0.05)
-        run.log.start_steps(run.total_steps, run.start_step, run.plan.start_elapsed_s,
-                            show_progress and run.cluster.is_main)
-        run.last_log = (time.perf_counter(), run.start_step)
-        feed(run, replicas)
-    except BaseException:
-        run.fail("target stage (main thread)", traceback.format_exc())
-    join_workers(run)
-    for s, h in old_handlers.items():
-        signal.signal(s, h)
+    with signals_handled(on_signal):
+        try:
+            # Captures happen one worker at a time, before any batch streams (docs/architecture.md).
+            while not all(w.ready.is_set() for w in run.workers) and not run.stop.is_set():
+                time.sleep(0.05)
+            run.log.start_steps(run.total_steps, run.start_step, run.plan.start_elapsed_s,
+                                show_progress and run.cluster.is_main)
+            run.last_log = (time.perf_counter(), run.start_step)
+            feed(run, replicas)
+        except BaseException:
+            run.fail("target stage (main thread)", traceback.format_exc())
+        join_workers(run)
     run.log.end_steps()
     return run
+
+
+@contextlib.contextmanager
+def signals_handled(handler):
+    """Inside, SIGINT and SIGTERM call handler(signum) instead of ending the process (in the main
+    thread; elsewhere signals cannot be caught and nothing changes); the old handlers after."""
+    in_main = threading.current_thread() is threading.main_thread()
+    old = {s: signal.signal(s, lambda signum, frame: handler(signum)) for s in (signal.SIGINT, signal.SIGTERM)} \
+        if in_main else {}
+    try:
+        yield
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
 
 
 def build_drafters(settings, target_config, embed, head, log):
@@ -1922,7 +2082,13 @@ class Trainer:
 
     def __init__(self, settings, cluster=None):
         self.settings, self.cluster = settings, cluster or Cluster()
+        # The first machine owns the output directory: one run at a time, and not another run's files
+        self.lock = OutputDirLock(settings.output_dir) if self.cluster.is_main else None
+        cleared = claim_output_dir(settings) if self.cluster.is_main else []
         self.log = RunLog(settings.output_dir, self.cluster)
+        if cleared:
+            self.log(f"--overwrite: the earlier run's {', '.join(cleared[:4])}{', ...' if len(cleared) > 4 else ''} "
+                     "removed")
         self.target_config = dm.text_config(target_config(settings.target_model))
         self.tokenizer = self.corpus = self.batches = self.validation = None  # load_data
         self.plan, self.resumed = None, None  # load_data: the RunPlan; (path, weights, state) resumed from
@@ -1949,6 +2115,7 @@ class Trainer:
         self.plan = plan = plan_run(s, defining, self.batches, W, state, log)
         if self.resumed:
             log(f"resume: {self.resumed[0]} at step {plan.start_step}, batch {plan.start_cursor}")
+            log.drop_records_after(plan.start_step)
         self.cluster.check_same("[step to resume from, total steps, batches per epoch, batch cursor]",
                                 [plan.start_step, plan.total_steps, self.batches.batches_per_epoch, plan.start_cursor])
         if self.cluster.world_size > 1:
@@ -1990,7 +2157,16 @@ class Trainer:
 
     def finish(self):
         """After train: the errors reported, or the last checkpoint and the final drafter saved,
-        evaluated on held-out prompts (checked lossless) and plotted. Returns the exit code."""
+        evaluated on held-out prompts (checked lossless) and plotted. Returns the exit code. A
+        signal meanwhile skips the evaluation (if it has not begun) but not the saving."""
+        def on_signal(signum):
+            self.run.interrupted = True
+            self.log(f"signal {signum}: finishing: the checkpoint and the final drafter are saved, the evaluation "
+                     "is skipped")
+        with signals_handled(on_signal):
+            return self.finish_run()
+
+    def finish_run(self):
         s, run, log = self.settings, self.run, self.log
         if run.errors:
             for where, tb in run.errors:
@@ -2010,7 +2186,7 @@ class Trainer:
         final_dir = os.path.join(s.output_dir, "final")
         shutil.rmtree(final_dir, ignore_errors=True)
         run.workers[0].drafter.save_pretrained(final_dir, dtype=torch.bfloat16)
-        write_training_record(final_dir, self.plan.defining)
+        dm.write_training_record(final_dir, self.plan.defining)
         for line in self.corpus.stats.summary():
             log(f"data: {line.strip()}")
         log(f"done: {final_step} steps; drafter saved to {final_dir}")
@@ -2023,6 +2199,11 @@ class Trainer:
             return 1
         return 0
 
+    def close(self):
+        """The output directory's lock released (the process's end releases it too)."""
+        if self.lock is not None:
+            self.lock.release()
+
     def evaluate_final(self, final_dir):
         """Measured acceptance length of the final drafter on held-out prompts: real speculative
         decoding against the target, checked lossless."""
@@ -2033,7 +2214,8 @@ class Trainer:
             return None
         target = self.run.held_out.full_target()
         report = evaluate_drafter_dir(s.target_model, final_dir, prompts, next(target.parameters()).device,
-                                      s.eval_max_new_tokens, s.chat_template_kwargs, log=log, target=target)
+                                      s.eval_max_new_tokens, s.chat_template_kwargs, log=log, target=target,
+                                      prompt_files=[heldout_prompts_file(s)])
         log(f"eval: acceptance length {report['acceptance_length']:.2f} (prompt lookup "
             f"{report['prompt_lookup_acceptance_length']:.2f}) on {report['answers']} held-out answers; speed-up over "
             f"greedy {report['speedup_vs_greedy']:.2f}x "
@@ -2057,10 +2239,13 @@ def train(settings):
     cluster = Cluster.from_env(settings.drafter_devices, settings.dist_timeout)
     trainer = Trainer(settings, cluster)
     rc = 0
-    if trainer.load_data():
-        trainer.load_models()
-        trainer.train()
-        rc = trainer.finish()
+    try:
+        if trainer.load_data():
+            trainer.load_models()
+            trainer.train()
+            rc = trainer.finish()
+    finally:
+        trainer.close()
     if rc == 0:  # after a failure a collective may still wait in a worker thread: exiting tears it down
         cluster.close()
     return rc

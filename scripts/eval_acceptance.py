@@ -6,8 +6,11 @@
 Greedy speculative decoding prompt by prompt; every output is checked against the target's own
 greedy output (the run fails loudly if any differs). Reports the mean acceptance length (tokens
 per target forward while drafting) overall and per category, the histogram of accepted lengths,
-and the speed-up over plain greedy decoding measured in the same run. Writes a JSON report next
-to the drafter.
+and the speed-up over plain greedy decoding measured in the same run. Writes a JSON report (what
+was measured: target, drafter, prompt files and their hashes, decoding settings) next to the
+drafter when the target is the drafter's own (its dflash_training.json says which), else to
+--output. A drafter that does not fit the target (hidden size, vocabulary, layers) is refused
+before anything decodes.
 
 Prompts: JSONL rows with `prompt` (text), `turns` (MT-Bench style, multi-turn), `messages` or
 `conversations` (the user turns are used); an optional `category`. Without --prompts: the 80
@@ -25,8 +28,8 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import chat_data  # noqa: E402
 import demo_assets  # noqa: E402
+import dflash_model as dm  # noqa: E402
 import evaluation  # noqa: E402
-import train_dflash_pipeline as tp  # noqa: E402
 
 
 def main(argv=None):
@@ -41,15 +44,27 @@ def main(argv=None):
     p.add_argument("--batch-size", type=int, default=64, help="prompts decoded together")
     p.add_argument("--chat-template-kwargs", default=None,
                    help="JSON; default: those recorded in the drafter's dflash_training.json")
+    p.add_argument("--output", default=None,
+                   help="the report's file (default: eval_acceptance.json beside the drafter, for its own target)")
     args = p.parse_args(argv)
-    kwargs = chat_data.parse_chat_template_kwargs(args.chat_template_kwargs) if args.chat_template_kwargs is not None \
-        else tp.read_training_record(args.drafter).get("chat_template_kwargs", {})
-    prompts = evaluation.read_prompts(args.prompts or demo_assets.mtbench_file())
-    if args.single_turn:
-        prompts = [(c, t[:1]) for c, t in prompts]
-    prompts = prompts[:args.num_prompts]
-    report = evaluation.evaluate_drafter_dir(args.target_model, args.drafter, prompts, args.device,
-                                             args.max_new_tokens, kwargs, batch_size=args.batch_size)
+    for name in ("max_new_tokens", "batch_size", "num_prompts"):
+        if getattr(args, name) is not None and getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} {getattr(args, name)} must be at least 1")
+    try:
+        kwargs = chat_data.parse_chat_template_kwargs(args.chat_template_kwargs) \
+            if args.chat_template_kwargs is not None \
+            else dm.read_training_record(args.drafter).get("chat_template_kwargs", {})
+        prompts_file = args.prompts or demo_assets.mtbench_file()
+        prompts = evaluation.read_prompts(prompts_file)
+        if args.single_turn:
+            prompts = [(c, t[:1]) for c, t in prompts]
+        prompts = prompts[:args.num_prompts]
+        report = evaluation.evaluate_drafter_dir(args.target_model, args.drafter, prompts, args.device,
+                                                 args.max_new_tokens, kwargs, batch_size=args.batch_size,
+                                                 prompt_files=[prompts_file], output=args.output)
+    except (chat_data.UsageError, ValueError, OSError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     print(json.dumps({k: v for k, v in report.items() if k != "mismatches"}, indent=1))
     if not report["lossless"]:
         print(f"FAILED: {len(report['mismatches'])} speculative outputs differ from target greedy decoding: "

@@ -12,8 +12,10 @@ default is the target's greedy reply. For each conversation the user (and system
 and every assistant turn is generated given the conversation so far, its earlier turns already
 regenerated, batched over conversations (the embedded engine: static shapes, prompts batched by
 length, one replica per GPU). Output rows are in the `messages` form the pipeline reads, with
-`id` = the input line number. Resumable: a rerun skips ids already in --output; a conversation is
-written once its last turn is done, so a kill loses only the conversations in progress. Rows that
+`id` = the input line number and `key` = a hash of its prompt turns. Resumable: a rerun skips rows
+already in --output (same line, same prompts; an --output written from another input is refused);
+a conversation is written once its last turn is done, so a kill loses only the conversations in
+progress, and Ctrl-C stops after the round under way (exit 130; rerun to resume). Rows that
 fail (server errors after the retries) go to <output>.rejects.jsonl with the reason, and the exit
 status is 1; a conversation whose first prompt is longer than the context limit is a counted skip.
 """
@@ -67,6 +69,9 @@ def main(argv=None):
     g.add_argument("--retries", type=int, default=4)
     g.add_argument("--backoff", type=float, default=1.0, help="seconds before the first retry, doubling")
     args = p.parse_args(argv)
+    for name in ("batch_size", "max_new_tokens", "window", "concurrency"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} {getattr(args, name)} must be at least 1")
     try:
         args.chat_template_kwargs = chat_data.parse_chat_template_kwargs(args.chat_template_kwargs)
     except chat_data.UsageError as e:
@@ -81,13 +86,21 @@ def main(argv=None):
         tokenizer = target_model.load_tokenizer(args.target_model)
         make_backend = lambda progress: regeneration.EmbeddedBackend(  # noqa: E731
             args.target_model, devices, tokenizer, args, progress)
-    summary = regeneration.regenerate(demo_assets.builtin_data(args.input), args.output, make_backend, args.window)
+    try:
+        summary = regeneration.regenerate(demo_assets.builtin_data(args.input), args.output, make_backend, args.window)
+    except ValueError as e:  # an output written from another input
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     print(summary["text"])
+    if summary["interrupted"]:
+        print("interrupted: rerun the same command to resume", file=sys.stderr)
+        return 130
     if summary["rejected"]:
         print(f"error: {summary['rejected']} conversations failed; their reasons are in {summary['rejects']}",
               file=sys.stderr)
         return 1
     return 0
+
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -30,9 +30,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import chat_data  # noqa: E402
 import decoding  # noqa: E402
 import demo_assets  # noqa: E402
+import dflash_model as dm  # noqa: E402
 import evaluation  # noqa: E402
 import target_model  # noqa: E402
-import train_dflash_pipeline as tp  # noqa: E402
 
 
 def free_port():
@@ -64,7 +64,7 @@ def main(argv=None):
     p.add_argument("--extra", default="", help="more `vllm serve` arguments, e.g. '--dtype float32'")
     args = p.parse_args(argv)
     import httpx
-    record = tp.read_training_record(args.drafter)
+    record = dm.read_training_record(args.drafter)
     kwargs = record.get("chat_template_kwargs", {})
     with open(os.path.join(args.drafter, "config.json")) as f:
         block = json.load(f)["block_size"]
@@ -128,8 +128,9 @@ def main(argv=None):
     engine = 1 + accepted / drafts if drafts else float("nan")
     # one load, for our evaluator and the greedy outputs
     target = target_model.load_full_target(args.target_model, args.device)
+    # its report is not kept: the drafter's own eval_acceptance.json is the full evaluation's
     report = evaluation.evaluate_drafter_dir(args.target_model, args.drafter, prompts, args.device, args.max_new_tokens,
-                                     kwargs, log=lambda m: None, target=target)
+                                             kwargs, log=lambda m: None, target=target, output=os.devnull)
     tokenizer = target_model.load_tokenizer(args.target_model)
     ids = [chat_data.prompt_ids(tokenizer, [{"role": "user", "content": t[0]}], kwargs) for _, t in prompts]
     greedy = [tokenizer.decode(t, skip_special_tokens=True)

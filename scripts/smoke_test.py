@@ -143,14 +143,19 @@ def main(argv=None):
 
     def loss():
         with open(os.path.join(SCRATCH, "metrics.jsonl")) as f:
-            metrics.extend(r for r in map(json.loads, f) if "loss" in r)
+            records = [json.loads(line) for line in f]
+        metrics.extend(r for r in records if "loss" in r)
         losses = [x["loss"] for x in metrics]
         if not all(map(lambda v: v == v and abs(v) != float("inf"), losses)):
             raise CheckFailed(f"non-finite loss: {losses}")
-        if not losses[-1] < losses[0]:
+        unhealthy = [r["health"] for r in records if "health" in r]
+        if unhealthy:
+            raise CheckFailed(f"the training health check failed ({', '.join(unhealthy)}; the log says why): "
+                              f"losses {losses}, gradient norms {[round(x['grad_norm'], 6) for x in metrics]}")
+        if not losses[-1] < 0.98 * losses[0]:  # a real decrease, not a flat line that is finite
             raise CheckFailed(f"loss did not fall: {losses}")
         return " -> ".join(f"{v:.3f}" for v in losses)
-    check("loss finite and falling", loss)
+    check("loss finite, falling, and training healthy", loss)
 
     def memory():
         if not metrics[0]["peak_mem_gb"]:

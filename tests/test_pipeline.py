@@ -604,13 +604,13 @@ def test_the_gpu_demo_regenerates_regen_batch_size_rows_at_a_time(monkeypatch, t
     out = regeneration.regenerated_builtin_data(args, print)
     assert seen == [(96, 64, args.max_length)] and os.path.exists(out + ".done")
     assert regeneration.regenerated_builtin_data(args, print) == out and len(seen) == 1  # cached: not again
-    with pytest.raises(chat_data.UsageError, match="--regen-batch-size must be positive"):
+    with pytest.raises(chat_data.UsageError, match="--regen-batch-size 0 must be positive"):
         tp.check_flags(tp.build_parser().parse_args(["--regen-batch-size", "0"]))
 
 
 def test_a_grad_clip_of_zero_is_refused():
     # It would scale every update to nothing (the clip divides by norm / clip on CUDA).
-    with pytest.raises(chat_data.UsageError, match="--grad-clip must be positive"):
+    with pytest.raises(chat_data.UsageError, match="--grad-clip 0.0 must be positive"):
         tp.check_flags(tp.build_parser().parse_args(["--grad-clip", "0"]))
 
 

@@ -227,7 +227,7 @@ def test_smoke_test_passes(tmp_path, tiny_model_dir):
     r, left = smoke(tmp_path, tiny_model_dir)
     assert r.returncode == 0, r.stdout + r.stderr
     for name in ("data reads and tokenises", "target and drafter load on every device",
-                 "steps run", "loss finite and falling", "checkpoint saves and loads back", "tokens/s"):
+                 "steps run", "loss finite, falling, and training healthy", "checkpoint saves and loads back", "tokens/s"):
         assert f"[ ok ] {name}" in r.stdout, name
     assert "smoke test summary" in r.stdout
     assert left == []  # a passing test leaves no checkpoint behind
@@ -322,7 +322,7 @@ def test_regeneration_rounds_stay_full_and_write_each_conversation_when_done():
     conversation is handed out as soon as its last turn is answered."""
     from collections import Counter
     turns = [3, 1, 1, 2, 1, 4, 1]
-    todo = [(i, [m for k in range(n) for m in ({"role": "system", "content": "s"},) * (k == 0) +
+    todo = [(i, f"key{i}", [m for k in range(n) for m in ({"role": "system", "content": "s"},) * (k == 0) +
                  ({"role": "user", "content": f"{i}.{k}"},)]) for i, n in enumerate(turns)]
     rounds = []
 
