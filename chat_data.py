@@ -273,19 +273,26 @@ def row_documents(row, tokenizer, max_length, vocab_size, chat_template_kwargs, 
                                   special)
 
 
-def parsed_rows(lines, path, stats):
-    """(line number, 'file:line', parsed row) of lines [(line number, text)] of a JSONL file;
-    rows counted in stats, lines that are not JSON counted as skipped."""
+def parsed_rows(lines, path, stats, fields=None):
+    """(row number, 'file:row', parsed row) of rows [(number, JSONL text or a row already
+    parsed)] of a data file (numbered_rows), its fields renamed by `fields` {the name this tool
+    reads: the data's name}; rows counted in stats, lines that are not JSON or not UTF-8 counted as
+    skipped."""
     for lineno, line in lines:
         stats.counts["rows"] += 1
-        where = f"{os.path.basename(path)}:{lineno}"
+        where = f"{os.path.basename(os.path.normpath(path))}:{lineno}"
         if line is None:
             stats.note(stats.skipped_rows, "not UTF-8 text", where)
             continue
         try:
-            yield lineno, where, json.loads(line)
+            row = json.loads(line) if isinstance(line, str) else line
         except json.JSONDecodeError as e:
             stats.note(stats.skipped_rows, f"bad JSON: {e.msg}", where)
+            continue
+        if fields and isinstance(row, dict):
+            row = {**{k: v for k, v in row.items() if k not in fields.values()},
+                   **{ours: row[theirs] for ours, theirs in fields.items() if theirs in row}}
+        yield lineno, where, row
 
 
 def numbered_lines(path, skip=frozenset()):
@@ -299,6 +306,61 @@ def numbered_lines(path, skip=frozenset()):
                 yield lineno, raw.decode("utf-8")
             except UnicodeDecodeError:
                 yield lineno, None
+
+
+def present(row):
+    """A columnar row without the columns it has no value in (Arrow gives every row every column)."""
+    return {k: v for k, v in row.items() if v is not None}
+
+
+def numbered_rows(path):
+    """(row number, row) of every row of a data file: JSONL lines as text (numbered by line; parsed
+    by parsed_rows, so bad JSON is a counted skip), the objects of a JSON array file, the rows of a
+    Parquet file (pyarrow) or of a directory saved by datasets' save_to_disk (numbered from 1)."""
+    def needs(module, what):
+        try:
+            return __import__(module)
+        except ImportError:
+            raise UsageError(f"--data {path}: reading {what} needs the {module} package (pip install {module})") \
+                from None
+    if os.path.isdir(path):
+        needs("datasets", "a directory saved by datasets")
+        from datasets import DatasetDict, load_from_disk
+        data = load_from_disk(path)
+        if isinstance(data, DatasetDict):
+            if "train" not in data and len(data) != 1:
+                raise UsageError(f"--data {path}: splits {list(data)}, none named train: give the split's directory")
+            data = data["train"] if "train" in data else next(iter(data.values()))
+        return [(n, present(row)) for n, row in enumerate(data, 1)]
+    if path.endswith(".parquet"):
+        needs("pyarrow", "Parquet")
+        import pyarrow.parquet as pq
+        return [(n, present(row)) for n, row in enumerate(pq.read_table(path).to_pylist(), 1)]
+    with open(path, "rb") as f:
+        head = f.read(4096).lstrip()
+    if path.endswith(".json") and head.startswith(b"["):
+        try:
+            with open(path, encoding="utf-8") as f:
+                return list(enumerate(json.load(f), 1))
+        except (ValueError, UnicodeDecodeError) as e:
+            raise UsageError(f"--data {path}: not a JSON array ({str(e)[:120]})") from None
+    return list(numbered_lines(path))
+
+
+DATA_FIELDS = ("messages", "conversations", "input_ids", "loss_mask")  # the fields a row is read by
+
+
+def parse_data_fields(text):
+    """--data-fields 'messages=conversation,input_ids=tokens' -> {the name read here: the data's}."""
+    fields = {}
+    for item in filter(None, (text or "").split(",")):
+        ours, sep, theirs = item.partition("=")
+        if not sep or ours.strip() not in DATA_FIELDS or not theirs.strip():
+            raise UsageError(f"--data-fields {text!r}: each item is NAME=FIELD with NAME one of "
+                             f"{', '.join(DATA_FIELDS)}")
+        fields[ours.strip()] = theirs.strip()
+    return fields
+
 
 
 def jsonl_rows(path, stats, skip=frozenset()):
@@ -332,10 +394,10 @@ class Progress:
         self.bar.close()
 
 
-def rows_documents(lines, path, tokenizer, max_length, vocab_size, chat_template_kwargs, special):
-    """(documents, DocumentStats) of some lines [(line number, text)] of one JSONL file."""
+def rows_documents(lines, path, tokenizer, max_length, vocab_size, chat_template_kwargs, special, fields=None):
+    """(documents, DocumentStats) of some rows [(number, row)] of one data file (numbered_rows)."""
     docs, stats = [], DocumentStats()
-    for _, where, row in parsed_rows(lines, path, stats):
+    for _, where, row in parsed_rows(lines, path, stats, fields):
         try:
             row_docs = row_documents(row, tokenizer, max_length, vocab_size, chat_template_kwargs, stats, where,
                                      special)
@@ -364,16 +426,17 @@ def _read_chunk(lines):
 
 
 def read_documents(path, tokenizer, max_length, vocab_size, chat_template_kwargs=None, workers=1, chunk_rows=256,
-                   log=print):
-    """Every document of one JSONL file, and its DocumentStats. Unusable rows are skipped and
+                   log=print, fields=None):
+    """Every document of one data file (any format numbered_rows reads; `fields` renames its
+    fields, parsed_rows), and its DocumentStats. Unusable rows are skipped and
     counted by reason; so are turns that cannot be trained. With workers > 1 (0: one per CPU core,
     at most 32), chunks of rows are rendered and tokenised by that many forked processes (a chat
     template renders in Python, on one core) and put back in file order: the same documents and
     counts as one process; a process that dies raises BrokenProcessPool. Progress: a bar of rows
     on a terminal, else a log line a minute."""
     special = special_token_ids(tokenizer)  # once per file, not per row (Gemma 3 has thousands)
-    reading = (path, tokenizer, max_length, vocab_size, chat_template_kwargs, special)
-    lines = list(numbered_lines(path))
+    reading = (path, tokenizer, max_length, vocab_size, chat_template_kwargs, special, fields)
+    lines = numbered_rows(path)
     chunks = [lines[i:i + chunk_rows] for i in range(0, len(lines), chunk_rows)]
     workers = min(workers or min(32, os.cpu_count() or 1), len(chunks))
     pool = None
@@ -440,7 +503,7 @@ def expand_data_paths(patterns):
         if not hits:
             raise UsageError(f"--data {pat}: no file matches")
         for h in hits:
-            if not os.path.isfile(h):
+            if not os.path.exists(h):
                 raise UsageError(f"--data {h}: no such file")
         paths += hits
     return paths
@@ -460,21 +523,23 @@ def tokenizer_fingerprint(tokenizer):
     return h.hexdigest()[:16]
 
 
-def corpus_cache_key(paths, tokenizer, max_length, vocab_size, chat_template_kwargs):
+def corpus_cache_key(paths, tokenizer, max_length, vocab_size, chat_template_kwargs, fields=None):
     h = hashlib.sha256()
-    for p in paths:
-        st = os.stat(p)
-        h.update(f"{os.path.abspath(p)}|{st.st_size}|{st.st_mtime_ns}".encode())
+    for p in paths:  # a directory (a saved data set): every file in it
+        files = sorted(os.path.join(d, f) for d, _, fs in os.walk(p) for f in fs) if os.path.isdir(p) else [p]
+        for f in files:
+            st = os.stat(f)
+            h.update(f"{os.path.abspath(f)}|{st.st_size}|{st.st_mtime_ns}".encode())
     h.update(f"{tokenizer_fingerprint(tokenizer)}|{json.dumps(chat_template_kwargs or {}, sort_keys=True)}|"
-             f"{max_length}|{vocab_size}|v{TOKENIZATION_VERSION}".encode())
+             f"{json.dumps(fields or {}, sort_keys=True)}|{max_length}|{vocab_size}|v{TOKENIZATION_VERSION}".encode())
     return h.hexdigest()[:20]
 
 
 def load_corpus(paths, tokenizer, max_length, vocab_size, cache_dir, chat_template_kwargs=None, log=print,
-                max_bad_fraction=0.5, workers=1):
+                max_bad_fraction=0.5, workers=1, fields=None):
     """Every file's documents (read_documents), concatenated and cached; the stats are logged as a
     summary (counts by reason, a few examples), never row by row."""
-    key = corpus_cache_key(paths, tokenizer, max_length, vocab_size, chat_template_kwargs)
+    key = corpus_cache_key(paths, tokenizer, max_length, vocab_size, chat_template_kwargs, fields)
     cache_file = os.path.join(cache_dir, f"corpus_{key}.npz")
     if os.path.exists(cache_file):
         z = np.load(cache_file, allow_pickle=False)
@@ -485,7 +550,7 @@ def load_corpus(paths, tokenizer, max_length, vocab_size, cache_dir, chat_templa
     docs, stats = [], DocumentStats()
     for path in tqdm(paths, unit="file", disable=None if len(paths) > 1 else True, desc="tokenising"):
         file_docs, file_stats = read_documents(path, tokenizer, max_length, vocab_size, chat_template_kwargs,
-                                               workers, log=log)
+                                               workers, log=log, fields=fields)
         docs += file_docs
         stats.add(file_stats)
     n_bad, rows = sum(stats.skipped_rows.values()), stats.counts["rows"]

@@ -42,8 +42,8 @@ import numpy as np
 import torch
 
 import dflash_model as dm
-from chat_data import UsageError, load_corpus, parse_chat_template_kwargs, render_chat, resolve_data_paths, \
-    special_token_ids
+from chat_data import UsageError, load_corpus, parse_chat_template_kwargs, parse_data_fields, render_chat, \
+    resolve_data_paths, special_token_ids
 from demo_assets import BUILTIN_DATA, BUILTIN_MODEL, BUILTIN_REGENERATED
 from evaluation import accepted_lengths_everywhere, evaluate_drafter_dir, evaluate_models, heldout_prompts, \
     heldout_prompts_file, replayed_over_answers
@@ -66,9 +66,13 @@ def build_parser():
     a = p.add_argument
     a("--target-model", default=DEFAULT_MODEL, help="transformers model id or local directory (decoder-only causal LM)")
     a("--data", nargs="+", default=[DEFAULT_DATA],
-      help="JSONL files or globs (messages, conversations, or input_ids+loss_mask); built in: builtin:sharegpt "
+      help="data files or globs: JSONL, a JSON array (.json), Parquet (.parquet; pyarrow), or a directory saved by "
+      "datasets' save_to_disk; rows of messages, conversations, or input_ids+loss_mask; built in: builtin:sharegpt "
       "(human replies), builtin:sharegpt-regenerated (every built-in prompt answered by the built-in target, "
       "regenerated once on a GPU: the GPU demo's data)")
+    a("--data-fields", default=None,
+      help="the data's names for the fields read, e.g. 'messages=conversation' (NAME=FIELD, comma-separated; NAME "
+      "one of messages, conversations, input_ids, loss_mask)")
     a("--data-workers", type=int, default=0,
       help="processes that render and tokenise the data (0: one per CPU core, at most 32); the result is the same")
     a("--output-dir", default="runs/dflash", help="logs, metrics.jsonl and checkpoints go here")
@@ -186,6 +190,7 @@ class Settings(argparse.Namespace):
       token_budget       rounded down to a multiple of max_length
       rows_per_batch     token_budget // max_length
       chat_template_kwargs  a dict
+      data_fields        {the name read: the data's name} (--data-fields)
       target_devices, drafter_devices  lists of torch.device (the layout)
       target_layer_ids   the target layers whose outputs the drafter reads, a list of ints (the flag's
                          list, or the default)
@@ -222,6 +227,7 @@ class Settings(argparse.Namespace):
         return cls(**vars(flags)).replace(
             token_budget=rounded_token_budget(flags, quiet=True), rows_per_batch=flags.token_budget // flags.max_length,
             chat_template_kwargs=parse_chat_template_kwargs(flags.chat_template_kwargs),
+            data_fields=parse_data_fields(flags.data_fields),
             loss_decay_gamma=flags.loss_decay_gamma or dm.default_loss_gamma(flags.block_size), **resolved)
 
 
@@ -376,7 +382,8 @@ def resolve_settings(flags):
     return Settings(**vars(flags)).replace(
         token_budget=budget, rows_per_batch=budget // flags.max_length,
         chat_template_kwargs=parse_chat_template_kwargs(flags.chat_template_kwargs),
-        target_devices=target_devices, drafter_devices=drafter_devices, target_layer_ids=layer_ids,
+        data_fields=parse_data_fields(flags.data_fields), target_devices=target_devices,
+        drafter_devices=drafter_devices, target_layer_ids=layer_ids,
         loss_decay_gamma=flags.loss_decay_gamma or dm.default_loss_gamma(flags.block_size),
         drafter_attention=resolve_drafter_attention(flags.drafter_attention, drafter_devices, tc, flags.block_size),
         target_attention=target_attention, compile_target=compile_target, data_files=None)
@@ -557,7 +564,8 @@ def prepare_data(settings, files, tokenizer, vocab_size, log):
     """The data stage end to end: tokenised corpus (cached), the fixed-shape batch sequence of its
     training documents, and rows of its held-out validation documents (--val-fraction)."""
     corpus = load_corpus(files, tokenizer, settings.max_length, vocab_size, settings.cache_dir,
-                         settings.chat_template_kwargs, log, workers=settings.data_workers)
+                         settings.chat_template_kwargs, log, workers=settings.data_workers,
+                         fields=settings.data_fields)
     train_docs, val_docs = split_validation(corpus, settings.val_fraction, settings.seed)
     validation = validation_batches(corpus.subset(val_docs), settings.max_length, settings.seed, settings.val_rows,
                                     settings.rows_per_batch) if len(val_docs) else []

@@ -69,7 +69,9 @@ def lookup_summary(spans):
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--tokenizer", required=True, help="tokenizer directory or id (the target model's)")
-    p.add_argument("--data", nargs="+", required=True, help="JSONL files or globs")
+    p.add_argument("--data", nargs="+", required=True,
+                   help="data files or globs, as the pipeline's --data (JSONL, JSON array, Parquet, a saved data set)")
+    p.add_argument("--data-fields", default=None, help="as the pipeline's, e.g. 'messages=conversation'")
     p.add_argument("--max-length", type=int, default=3072)
     p.add_argument("--chat-template-kwargs", default=None, help="JSON, as given to the pipeline")
     p.add_argument("--vocab-size", type=int, default=None, help="default: the tokenizer's size")
@@ -79,6 +81,7 @@ def main(argv=None):
     args = p.parse_args(argv)
     try:
         kwargs = chat_data.parse_chat_template_kwargs(args.chat_template_kwargs)
+        fields = chat_data.parse_data_fields(args.data_fields)
         paths = chat_data.resolve_data_paths(args.data)
     except chat_data.UsageError as e:
         print(f"error: {e}", file=sys.stderr)
@@ -89,7 +92,8 @@ def main(argv=None):
     dump = open(args.dump, "w") if args.dump else None
     total, shown, all_spans = chat_data.DocumentStats(), 0, []
     for path in paths:
-        docs, stats = chat_data.read_documents(path, tokenizer, args.max_length, vocab, kwargs, workers=0)
+        docs, stats = chat_data.read_documents(path, tokenizer, args.max_length, vocab, kwargs, workers=0,
+                                               fields=fields)
         total.add(stats)
         print(f"{path}:")
         for line in stats.summary():

@@ -413,3 +413,73 @@ def test_publish_directory_second_process_takes_the_first_copy(tmp_path):
     (third / "config.json").write_text("third")
     with pytest.raises(OSError):
         demo_assets.publish_directory(str(third), str(tmp_path / "broken"), "config.json")
+
+
+def loaded_corpus(paths, cache, fields=None):
+    return chat_data.load_corpus([str(p) for p in paths], tiny_tokenizer(), 128, 128, str(cache), log=lambda m: None,
+                                 fields=fields)
+
+
+def format_rows():
+    from test_pipeline import chat_rows
+    return chat_rows(12)
+
+
+def test_a_json_array_file_gives_the_jsonl_corpus(tmp_path):
+    rows = format_rows()
+    jsonl = write_jsonl(tmp_path / "d.jsonl", rows)
+    (tmp_path / "d.json").write_text(json.dumps(rows, indent=1))
+    want = loaded_corpus([jsonl], tmp_path / "c1")
+    got = loaded_corpus([tmp_path / "d.json"], tmp_path / "c2")
+    assert got.fingerprint() == want.fingerprint() and len(got) == len(want) > 0
+
+
+def test_parquet_and_a_saved_dataset_give_the_jsonl_corpus(tmp_path):
+    pytest.importorskip("pyarrow")
+    datasets = pytest.importorskip("datasets")
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    rows = [r for r in format_rows() if "messages" in r]  # one schema a table
+    jsonl = write_jsonl(tmp_path / "d.jsonl", rows)
+    want = loaded_corpus([jsonl], tmp_path / "c0").fingerprint()
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "d.parquet")
+    assert loaded_corpus([tmp_path / "d.parquet"], tmp_path / "c1").fingerprint() == want
+    datasets.Dataset.from_list(rows).save_to_disk(str(tmp_path / "saved"))
+    assert loaded_corpus([tmp_path / "saved"], tmp_path / "c2").fingerprint() == want
+    datasets.DatasetDict({"train": datasets.Dataset.from_list(rows)}).save_to_disk(str(tmp_path / "splits"))
+    assert loaded_corpus([tmp_path / "splits"], tmp_path / "c3").fingerprint() == want
+    # rows of both schemas in one table: a row's empty columns are not its fields
+    mixed = format_rows()
+    columns = {k: [r.get(k) for r in mixed] for k in ("messages", "conversations")}  # from_pylist reads the first row's keys
+    pq.write_table(pa.table(columns), tmp_path / "mixed.parquet")
+    assert loaded_corpus([tmp_path / "mixed.parquet"], tmp_path / "c4").fingerprint() == \
+        loaded_corpus([write_jsonl(tmp_path / "mixed.jsonl", mixed)], tmp_path / "c5").fingerprint()
+
+
+def test_data_fields_map_other_names_and_formats_mix_in_globs(tmp_path):
+    rows = format_rows()
+    renamed = [{"conversation": r["messages"]} if "messages" in r else r for r in rows]
+    write_jsonl(tmp_path / "a.jsonl", renamed[:6])
+    (tmp_path / "b.json").write_text(json.dumps(renamed[6:]))
+    want = loaded_corpus([write_jsonl(tmp_path / "all.jsonl", rows)], tmp_path / "c0").fingerprint()
+    paths = chat_data.expand_data_paths([str(tmp_path / "a.jsonl"), str(tmp_path / "b.*")])
+    fields = chat_data.parse_data_fields("messages=conversation")
+    assert loaded_corpus(paths, tmp_path / "c1", fields).fingerprint() == want
+    without = loaded_corpus(paths, tmp_path / "c2")  # unmapped: those rows are counted skips, not guessed
+    assert without.stats.skipped_rows == {"no 'messages', 'conversations' or 'input_ids'": 6}
+    with pytest.raises(chat_data.UsageError, match="NAME=FIELD"):
+        chat_data.parse_data_fields("message=conversation")
+
+
+def test_a_missing_optional_reader_is_a_sentence(tmp_path, monkeypatch):
+    import builtins
+    real_import = builtins.__import__
+
+    def no_pyarrow(name, *a, **k):
+        if name.startswith("pyarrow"):
+            raise ImportError(name)
+        return real_import(name, *a, **k)
+    monkeypatch.setattr(builtins, "__import__", no_pyarrow)
+    (tmp_path / "d.parquet").write_bytes(b"PAR1")
+    with pytest.raises(chat_data.UsageError, match="needs the pyarrow package"):
+        chat_data.numbered_rows(str(tmp_path / "d.parquet"))
