@@ -7,7 +7,10 @@ template with the generation prompt), followed by exactly what the target writes
 text through its end-of-turn token), with loss on the latter only. Templates that keep
 earlier turns unchanged give one document per conversation; templates that rewrite history
 (Qwen3 strips earlier <think> blocks) start a new document at the turn where the rendered
-history stops being a prefix of the next render.
+history stops being a prefix of the next render. Reasoning (`reasoning_content`), tool calls
+(`tool_calls`), tool turns and a row's `tools` schema go to the template as a server passes them:
+what the model writes (reasoning, text, tool-call text) carries loss, tool results do not; a turn
+whose reasoning or tool calls the template would not render is a counted skip.
 
 Used by the trainer's data stage, regeneration, evaluation (prompt rendering) and
 scripts/inspect_data.py.
@@ -32,7 +35,8 @@ TOKENIZATION_VERSION = 3  # part of the corpus cache key: a change here never re
 
 
 ROLE_ALIASES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
-                "chatgpt": "assistant", "bing": "assistant", "bard": "assistant", "system": "system"}
+                "chatgpt": "assistant", "bing": "assistant", "bard": "assistant", "system": "system",
+                "tool": "tool", "observation": "tool"}
 
 
 class BadRow(Exception):
@@ -54,8 +58,10 @@ def parse_chat_template_kwargs(text):
 
 
 def row_to_messages(row, require_assistant=True):
-    """[{role, content}] of a `messages` (OpenAI) or `conversations` (ShareGPT) row, roles
-    normalised; BadRow naming what is wrong with a row that is not one."""
+    """[{role, content, ...}] of a `messages` (OpenAI) or `conversations` (ShareGPT) row, roles
+    normalised; an assistant turn keeps its reasoning (`reasoning_content`, or a server's
+    `reasoning`) and `tool_calls`, a tool turn its `tool_call_id` and `name`, as a server passes
+    them to the chat template. BadRow naming what is wrong with a row that is not one."""
     field, role_key, text_key = (("messages", "role", "content") if "messages" in row
                                  else ("conversations", "from", "value") if "conversations" in row else (None,) * 3)
     if field is None:
@@ -64,30 +70,78 @@ def row_to_messages(row, require_assistant=True):
         raise BadRow(f"{field} is not a list")
     if not all(isinstance(m, dict) for m in row[field]):
         raise BadRow(f"a turn of {field} is not a JSON object")
-    turns = [(m.get(role_key), m.get(text_key)) for m in row[field]]
     messages = []
-    for role, content in turns:
+    for turn in row[field]:
+        role, content = turn.get(role_key), turn.get(text_key)
         if role not in ROLE_ALIASES:
             raise BadRow(f"unknown role {role!r}")
+        message = {"role": ROLE_ALIASES[role]}
+        if message["role"] == "assistant":
+            reasoning = turn.get("reasoning_content", turn.get("reasoning"))
+            if reasoning is not None:
+                if not isinstance(reasoning, str):
+                    raise BadRow("reasoning_content of an assistant turn is not text")
+                message["reasoning_content"] = reasoning
+            calls = turn.get("tool_calls")
+            if calls:
+                if not isinstance(calls, list) or not all(isinstance(c, dict) for c in calls):
+                    raise BadRow("tool_calls of an assistant turn is not a list of objects")
+                message["tool_calls"] = calls
+            if content is None and (reasoning is not None or calls):
+                content = ""  # a turn that only reasons or calls tools (the servers send null content)
+        elif message["role"] == "tool":
+            message.update({k: turn[k] for k in ("tool_call_id", "name") if turn.get(k) is not None})
         if not isinstance(content, str):
             raise BadRow(f"content of a {role} turn is not text")
-        messages.append({"role": ROLE_ALIASES[role], "content": content})
+        message["content"] = content
+        messages.append(message)
     if not messages:
         raise BadRow("empty conversation")
-    if require_assistant and not any(m["role"] == "assistant" and m["content"].strip() for m in messages):
+    if require_assistant and not any(m["role"] == "assistant" and written(m) for m in messages):
         raise BadRow("no assistant turn")
     return messages
 
 
-def render_chat(tokenizer, messages, add_generation_prompt=False, chat_template_kwargs=None):
+def written(message):
+    """Whether an assistant turn holds anything the model wrote: text, reasoning or tool calls."""
+    return bool(message["content"].strip() or message.get("reasoning_content", "").strip()
+                or message.get("tool_calls"))
+
+
+def row_tools(row):
+    """The row's `tools` schema (a list of objects, as a server passes it to the chat template), or None."""
+    tools = row.get("tools")
+    if tools is None:
+        return None
+    if not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools):
+        raise BadRow("tools is not a list of objects")
+    return tools
+
+
+def render_chat(tokenizer, messages, add_generation_prompt=False, chat_template_kwargs=None, tools=None):
+    """The text the chat template renders, as a server renders it (the row's tools schema too)."""
+    extra = {"tools": tools} if tools is not None else {}
     return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt,
-                                         **(chat_template_kwargs or {}))
+                                         **extra, **(chat_template_kwargs or {}))
 
 
-def prompt_ids(tokenizer, messages, chat_template_kwargs=None):
+def dropped_fields(tokenizer, messages, i, whole, chat_template_kwargs, tools):
+    """The fields of assistant turn i (reasoning_content, tool_calls) that the chat template does
+    not render: the rendering without them is the same text. Such a turn cannot be trained as the
+    model wrote it."""
+    out = []
+    for field in ("reasoning_content", "tool_calls"):
+        if messages[i].get(field):
+            without = {k: v for k, v in messages[i].items() if k != field}
+            if render_chat(tokenizer, messages[:i] + [without], False, chat_template_kwargs, tools) == whole:
+                out.append(field)
+    return out
+
+
+def prompt_ids(tokenizer, messages, chat_template_kwargs=None, tools=None):
     """The prompt a server builds for the next assistant turn: rendered, then tokenised, as the
     data stage does it."""
-    text = render_chat(tokenizer, messages, True, chat_template_kwargs)
+    text = render_chat(tokenizer, messages, True, chat_template_kwargs, tools)
     return tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
@@ -200,9 +254,11 @@ def windows_to_documents(ids, mask, max_length, stats, where):
     return docs
 
 
-def conversation_documents(tokenizer, messages, max_length, chat_template_kwargs, stats, where, special=None):
-    """Documents of one conversation, per the rules at the top of this section. special: the
-    tokenizer's special_token_ids (computed here if not given)."""
+def conversation_documents(tokenizer, messages, max_length, chat_template_kwargs, stats, where, special=None,
+                           tools=None):
+    """Documents of one conversation, per the rules at the top of this module; tools: the row's
+    schema, rendered as a server renders it. special: the tokenizer's special_token_ids
+    (computed here if not given)."""
     if not getattr(tokenizer, "chat_template", None):
         raise UsageError(f"{tokenizer.name_or_path}: the tokenizer has no chat template; use a chat model or "
                          "pre-tokenised rows (input_ids + loss_mask)")
@@ -218,14 +274,18 @@ def conversation_documents(tokenizer, messages, max_length, chat_template_kwargs
     stats.counts["assistant_turns"] += len(turns)
     prompts, replies, kept = [], [], []
     for i in turns:
-        if not messages[i]["content"].strip():
+        if not written(messages[i]):
             stats.note(stats.skipped_turns, "empty assistant turn", where)
             continue
         try:
-            prompt = render_chat(tokenizer, messages[:i], True, chat_template_kwargs)
-            whole = render_chat(tokenizer, messages[:i + 1], False, chat_template_kwargs)
+            prompt = render_chat(tokenizer, messages[:i], True, chat_template_kwargs, tools)
+            whole = render_chat(tokenizer, messages[:i + 1], False, chat_template_kwargs, tools)
+            dropped = dropped_fields(tokenizer, messages, i, whole, chat_template_kwargs, tools)
         except Exception as e:  # jinja raises for conversations a template refuses (roles must alternate...)
             stats.note(stats.skipped_turns, f"chat template error: {str(e)[:80]}", where)
+            continue
+        if dropped:
+            stats.note(stats.skipped_turns, f"the chat template does not render {' or '.join(dropped)}", where)
             continue
         if not whole.startswith(prompt):
             stats.note(stats.skipped_turns, "rendered turn does not extend the generation prompt", where)
@@ -270,7 +330,7 @@ def row_documents(row, tokenizer, max_length, vocab_size, chat_template_kwargs, 
         stats.counts["assistant_tokens"] += int(sum(1 for x in m if x))
         return windows_to_documents(t, [int(bool(x)) for x in m], max_length, stats, where)
     return conversation_documents(tokenizer, row_to_messages(row), max_length, chat_template_kwargs, stats, where,
-                                  special)
+                                  special, row_tools(row))
 
 
 def parsed_rows(lines, path, stats, fields=None):

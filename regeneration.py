@@ -19,7 +19,7 @@ from collections import Counter, deque
 
 import torch
 
-from chat_data import BadRow, DocumentStats, Progress, jsonl_rows, prompt_ids, row_to_messages
+from chat_data import BadRow, DocumentStats, Progress, jsonl_rows, prompt_ids, row_to_messages, row_tools
 from decoding import generate
 import demo_assets
 from dflash_model import text_config
@@ -28,6 +28,13 @@ from target_model import load_full_target, load_tokenizer, stop_token_ids
 def prompt_key(asks):
     """A row's identity by content: a hash of the turns regeneration answers."""
     return hashlib.sha256(json.dumps(asks, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def asked(messages):
+    """How many assistant turns a conversation asks for: one after each user turn, and one after
+    each run of tool turns (the answer to the tools' results)."""
+    return sum(m["role"] == "user" or (m["role"] == "tool" and (k == 0 or messages[k - 1]["role"] != "tool"))
+               for k, m in enumerate(messages))
 
 
 def regeneration_prompts(path, done):
@@ -40,6 +47,7 @@ def regeneration_prompts(path, done):
     for lineno, where, row in jsonl_rows(path, stats):
         try:
             messages = row_to_messages(row if isinstance(row, dict) else {}, require_assistant=False)
+            tools = row_tools(row)
         except BadRow as e:
             stats.note(stats.skipped_rows, str(e), where)
             continue
@@ -47,11 +55,11 @@ def regeneration_prompts(path, done):
         if not any(m["role"] == "user" for m in asks):
             stats.note(stats.skipped_rows, "no user turn", where)
             continue
-        key = prompt_key(asks)
+        key = prompt_key(asks if tools is None else [asks, tools])
         if lineno in done and done[lineno] not in (key, None):
             other.append(where)
         elif lineno not in done:
-            todo.append((lineno, key, asks))
+            todo.append((lineno, key, asks, tools))
     if other:
         raise ValueError(f"the output holds answers to other prompts than {len(other)} rows of {path} have "
                          f"(e.g. {', '.join(other[:3])}): it was written from another input; write to another output")
@@ -59,27 +67,35 @@ def regeneration_prompts(path, done):
 
 
 class Regeneration:
-    """One conversation being regenerated: its messages so far (`outs`), the user and system
-    turns still to come (`rest`), why it failed, if it did, and why it was skipped, if it was."""
+    """One conversation being regenerated: its messages so far (`outs`), the user, tool and system
+    turns still to come (`rest`), its tools schema, why it failed, if it did, and why it was
+    skipped, if it was."""
 
-    def __init__(self, row_id, key, asks):
-        self.row_id, self.key, self.outs, self.rest, self.error, self.skip = row_id, key, [], list(asks), None, None
+    def __init__(self, row_id, key, asks, tools=None):
+        self.row_id, self.key, self.outs, self.rest, self.tools = row_id, key, [], list(asks), tools
+        self.error = self.skip = None
 
     def next_turn(self):
-        """Moves the next user turn (and the system turns before it) into outs; False if none is
-        left (the trailing system turns moved all the same)."""
-        while self.rest and self.rest[0]["role"] != "user":
+        """Moves the next user turn, or the next run of tool turns (the data's tool results: a
+        next turn that depends on them keeps them), with the system turns before it, into outs;
+        False if none is left (the trailing system turns moved all the same)."""
+        while self.rest and self.rest[0]["role"] == "system":
             self.outs.append(self.rest.pop(0))
-        if self.rest:
+        if not self.rest:
+            return False
+        turn = self.rest.pop(0)
+        self.outs.append(turn)
+        while turn["role"] == "tool" and self.rest and self.rest[0]["role"] == "tool":
             self.outs.append(self.rest.pop(0))
-            return True
-        return False
+        return True
 
 
 def regenerate_rounds(backend, todo, window, summary, progress=None):
-    """Every conversation of todo ([(id, prompt key, messages without assistant turns)]) with an assistant
-    turn after each user turn, written by backend(list of message lists) -> [(text or None if it
-    failed, finish reason or the error, tokens)], each turn given the conversation so far. In
+    """Every conversation of todo ([(id, prompt key, messages without assistant turns, tools)])
+    with an assistant turn after each user turn and each run of tool turns, written by
+    backend([(messages, tools)]) -> [(the assistant message's fields {content, and where the
+    model wrote them reasoning_content, tool_calls} or None if it failed, finish reason or the
+    error, tokens)], each turn given the conversation so far. In
     rounds: each round asks the next turn of up to `window` conversations, topped up from todo as
     conversations end, so a round stays full until todo runs out. A turn the backend declines
     as "context" (its history too long to answer) ends the conversation before that user turn;
@@ -96,19 +112,20 @@ def regenerate_rounds(backend, todo, window, summary, progress=None):
             (asking if c.next_turn() else done).append(c)
         if done:
             yield done
-        for c, (text, reason, n) in zip(asking, backend([c.outs for c in asking]) if asking else []):
+        for c, (message, reason, n) in zip(asking, backend([(c.outs, c.tools) for c in asking]) if asking else []):
             if reason == "context":
                 summary["finish"][reason] += 1
-                c.outs.pop()  # the user turn left unanswered
+                while c.outs and c.outs[-1]["role"] != "assistant":  # the turn left unanswered
+                    c.outs.pop()
                 if progress is not None:  # it and the conversation's later turns will not come
-                    progress(1 + sum(m["role"] == "user" for m in c.rest), 0)
+                    progress(1 + asked(c.rest), 0)
                 c.rest = []
                 if not any(m["role"] == "assistant" for m in c.outs):
                     c.skip = "first prompt longer than the context limit"
-            elif text is None:
+            elif message is None:
                 c.error, c.rest = reason, []
             else:
-                c.outs.append({"role": "assistant", "content": text})
+                c.outs.append({"role": "assistant", **message})
                 summary["finish"][reason] += 1
                 summary["turns"] += 1
                 summary["tokens"] += n
@@ -133,7 +150,7 @@ class EmbeddedBackend:
 
     def __call__(self, conversations):
         a = self.args
-        ids = [prompt_ids(self.tokenizer, c, a.chat_template_kwargs) for c in conversations]
+        ids = [prompt_ids(self.tokenizer, c, a.chat_template_kwargs, tools) for c, tools in conversations]
         results, errors = [None] * len(ids), []
         for i, p in enumerate(ids):
             if len(p) >= self.max_context:
@@ -159,14 +176,30 @@ class EmbeddedBackend:
             t.join()
         if errors:
             raise RuntimeError("generation failed on a replica:\n" + errors[0])
-        return [(None if reason == "context" else self.tokenizer.decode(t, skip_special_tokens=True), reason, len(t))
-                for t, reason in results]
+        # the reply as text: think blocks and tool-call text as the model wrote them, which the
+        # template renders back as they were
+        return [(None if reason == "context" else {"content": self.tokenizer.decode(t, skip_special_tokens=True)},
+                 reason, len(t)) for t, reason in results]
+
+
+def assistant_fields(message):
+    """The fields of a server's assistant message that the model wrote: content (null -> ""),
+    reasoning_content (a reasoning parser's `reasoning_content` or `reasoning`), tool_calls."""
+    out = {"content": message.get("content") or ""}
+    reasoning = message.get("reasoning_content", message.get("reasoning"))
+    if reasoning:
+        out["reasoning_content"] = reasoning
+    if message.get("tool_calls"):
+        out["tool_calls"] = message["tool_calls"]
+    return out
 
 
 class ServerBackend:
     """An OpenAI-compatible chat-completions endpoint (vllm serve, SGLang, llama.cpp server):
     `concurrency` requests in flight, each retried with exponential backoff. A conversation that
-    still fails is given as None (the caller writes it to the rejects file)."""
+    still fails is given as None (the caller writes it to the rejects file). The reply's
+    reasoning (`reasoning_content`, or `reasoning`, from a server's reasoning parser) and
+    `tool_calls` are kept as the message's fields."""
 
     def __init__(self, url, args, progress=None):
         import httpx
@@ -174,10 +207,13 @@ class ServerBackend:
         self.args, self.progress = args, progress
         self.client = httpx.Client(timeout=args.timeout)
 
-    def complete(self, messages):
+    def complete(self, conversation):
+        messages, tools = conversation
         a = self.args
         body = {"model": a.server_model, "messages": messages, "max_tokens": a.max_new_tokens,
                 "temperature": a.temperature, "top_p": a.top_p, "seed": a.seed}
+        if tools is not None:
+            body["tools"] = tools
         if a.chat_template_kwargs:
             body["chat_template_kwargs"] = a.chat_template_kwargs
         error = None
@@ -191,7 +227,7 @@ class ServerBackend:
                     choice, n = answer["choices"][0], (answer.get("usage") or {}).get("completion_tokens", 0)
                     if self.progress is not None:
                         self.progress(1, n)
-                    return choice["message"]["content"], choice.get("finish_reason", "stop"), n
+                    return assistant_fields(choice["message"]), choice.get("finish_reason", "stop"), n
                 error = f"HTTP {r.status_code}: {r.text[:200]}"
                 if r.status_code < 500 and r.status_code != 429:
                     break  # a request the server refuses will be refused again
@@ -235,7 +271,7 @@ def regenerate(input_path, output, make_backend, window=4096, log=print, desc="r
     todo, skipped = regeneration_prompts(input_path, done_regeneration_ids(output))
     for line in skipped.summary()[1:]:
         log(f"input: {line.strip()}")
-    progress = Progress(sum(sum(m["role"] == "user" for m in c) for _, _, c in todo), desc, log)
+    progress = Progress(sum(asked(c) for _, _, c, _ in todo), desc, log)
     t0 = time.perf_counter()
     backend = make_backend(progress)
     rejects = output + ".rejects.jsonl"
@@ -257,7 +293,8 @@ def regenerate(input_path, output, make_backend, window=4096, log=print, desc="r
                     summary["rejected"] += 1
                     bad.write(json.dumps({"id": c.row_id, "reason": c.error}) + "\n")
                 else:
-                    out.write(json.dumps({"id": c.row_id, "key": c.key, "messages": c.outs}) + "\n")
+                    row = {"id": c.row_id, "key": c.key, "messages": c.outs}
+                    out.write(json.dumps(row if c.tools is None else {**row, "tools": c.tools}) + "\n")
                     summary["rows"] += 1
             for f in (out, bad):
                 f.flush()

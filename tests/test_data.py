@@ -4,6 +4,7 @@ renderings written out here by hand from each template's documented format, not 
 apply_chat_template."""
 import json
 import os
+import types
 
 import numpy as np
 import pytest
@@ -483,3 +484,135 @@ def test_a_missing_optional_reader_is_a_sentence(tmp_path, monkeypatch):
     (tmp_path / "d.parquet").write_bytes(b"PAR1")
     with pytest.raises(chat_data.UsageError, match="needs the pyarrow package"):
         chat_data.numbered_rows(str(tmp_path / "d.parquet"))
+
+
+# --- reasoning, tool calls, tool turns and a tools schema, trained as served -------------------
+
+WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "The weather in a city",
+                                            "parameters": {"type": "object",
+                                                           "properties": {"city": {"type": "string"}}}}}
+
+
+def agent_messages():
+    """An agent conversation as a server keeps it (OpenAI fields): a reasoned tool call with null
+    content, the tool's result, a reasoned answer, then a plain follow-up."""
+    call = {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}
+    return [{"role": "system", "content": "You are helpful."},
+            {"role": "user", "content": "Weather in Paris?"},
+            {"role": "assistant", "content": None, "reasoning_content": "I should call the tool.", "tool_calls": [call]},
+            {"role": "tool", "tool_call_id": "c1", "name": "get_weather", "content": '{"temp": 21}'},
+            {"role": "assistant", "reasoning": "It is 21.", "content": "It is 21 degrees in Paris."},
+            {"role": "user", "content": "Thanks!"},
+            {"role": "assistant", "content": "You're welcome."}]
+
+
+def qwen3_agent_turns(tools):
+    """Qwen3's rendering of agent_messages(), written out by hand: the tools in the system turn;
+    the turns after the last user query keep their reasoning, earlier ones lose it; a tool
+    result is a user turn of <tool_response>; an assistant turn's tool call is <tool_call> JSON."""
+    system = ("<|im_start|>system\nYou are helpful.\n\n# Tools\n\nYou may call one or more functions to assist with "
+              "the user query.\n\nYou are provided with function signatures within <tools></tools> XML tags:\n<tools>\n"
+              + json.dumps(tools[0], ensure_ascii=False) + "\n</tools>\n\nFor each function call, return a json object "
+              "with function name and arguments within <tool_call></tool_call> XML tags:\n<tool_call>\n{\"name\": "
+              "<function-name>, \"arguments\": <args-json-object>}\n</tool_call><|im_end|>\n")
+    user1 = "<|im_start|>user\nWeather in Paris?<|im_end|>\n"
+    call = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+    reply1 = "<think>\nI should call the tool.\n</think>\n\n" + call + "<|im_end|>"
+    tool = "<|im_start|>user\n<tool_response>\n{\"temp\": 21}\n</tool_response><|im_end|>\n"
+    reply2 = "<think>\nIt is 21.\n</think>\n\nIt is 21 degrees in Paris.<|im_end|>"
+    # once a new user query follows, the earlier turns lose their reasoning
+    history = system + user1 + "<|im_start|>assistant\n" + call + "<|im_end|>\n" + tool + \
+        "<|im_start|>assistant\nIt is 21 degrees in Paris.<|im_end|>\n"
+    return [(system + user1 + "<|im_start|>assistant\n", reply1),
+            (system + user1 + "<|im_start|>assistant\n" + reply1 + "\n" + tool + "<|im_start|>assistant\n", reply2),
+            (history + "<|im_start|>user\nThanks!<|im_end|>\n<|im_start|>assistant\n",
+             "<think>\n\n</think>\n\nYou're welcome.<|im_end|>")]
+
+
+def test_reasoning_and_tool_calls_trained_as_the_server_renders_them(real_tokenizer, tmp_path):
+    tok = real_tokenizer("qwen3")
+    row = {"messages": agent_messages(), "tools": [WEATHER]}
+    stats = chat_data.DocumentStats()
+    docs = chat_data.row_documents(row, tok, 4096, 151936, {}, stats, "row")
+    assert_trained_as_served(tok, docs, qwen3_agent_turns([WEATHER]))
+    # the tool call's turn and its answer share a document (the history kept its reasoning); the
+    # follow-up, after which the template drops earlier reasoning, starts its own
+    assert len(docs) == 2 and stats.counts["trained_turns"] == 3 and not stats.skipped_turns
+    # the tool result and the system/user turns carry no loss: the trained text is the model's alone
+    trained = tok.decode([t for ids, mask in docs for t, m in zip(ids, mask) if m])
+    assert "tool_response" not in trained and "Weather in Paris" not in trained and trained.count("<tool_call>") == 1
+
+
+def test_a_template_that_drops_tool_calls_or_reasoning_skips_those_turns(real_tokenizer):
+    # The Llama 3.1 template shipped with this tokenizer renders content only: a turn whose tool
+    # call or reasoning it would drop cannot be trained as the model wrote it; it is counted.
+    tok = real_tokenizer("llama3_1")
+    stats = chat_data.DocumentStats()
+    docs = chat_data.row_documents({"messages": agent_messages(), "tools": [WEATHER]}, tok, 4096, 128256, {}, stats,
+                                   "row")
+    assert stats.skipped_turns == {"the chat template does not render reasoning_content or tool_calls": 1,
+                                   "the chat template does not render reasoning_content": 1}
+    assert stats.counts["trained_turns"] == 1 and len(docs) == 1
+
+
+def test_tool_and_reasoning_fields_are_checked_and_counted(real_tokenizer):
+    tok = real_tokenizer("qwen3")
+    for row, reason in (({"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a",
+                                                                            "tool_calls": "call it"}]},
+                         "tool_calls of an assistant turn is not a list of objects"),
+                        ({"messages": agent_messages(), "tools": "weather"}, "tools is not a list of objects")):
+        with pytest.raises(chat_data.BadRow, match=reason):
+            chat_data.row_documents(row, tok, 4096, 151936, {}, chat_data.DocumentStats(), "row")
+
+
+def test_server_regeneration_keeps_reasoning_and_tool_calls_and_the_datas_tool_turns(tmp_path):
+    """A stub OpenAI-compatible server answers with a reasoning parser's fields and a tool call:
+    they are written back as the message's fields; the data's tool result follows, then the
+    answer to it; the tools schema goes with each request."""
+    import http.server
+    import threading
+    import regeneration
+    requests = []
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_POST(self):
+            body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+            requests.append(body)
+            last = body["messages"][-1]
+            message = ({"role": "assistant", "content": None, "reasoning": "I need the weather.",
+                        "tool_calls": [{"id": "x", "type": "function",
+                                        "function": {"name": "get_weather", "arguments": "{\"city\": \"Paris\"}"}}]}
+                       if last["role"] == "user" else {"role": "assistant", "content": "21 degrees.",
+                                                       "reasoning_content": "The tool said 21."})
+            out = json.dumps({"choices": [{"message": message, "finish_reason": "stop"}],
+                              "usage": {"completion_tokens": 5}}).encode()
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(out)))
+            self.end_headers()
+            self.wfile.write(out)
+
+        def log_message(self, *a):
+            pass
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        data = [m for m in agent_messages()[:5] if m["role"] != "assistant"]
+        inp = write_jsonl(tmp_path / "in.jsonl", [{"messages": data, "tools": [WEATHER]}])
+        args = types.SimpleNamespace(server_model="m", max_new_tokens=32, temperature=0.0, top_p=1.0, seed=0,
+                                     chat_template_kwargs={}, retries=0, backoff=0.1, timeout=10, concurrency=2)
+        url = f"http://127.0.0.1:{server.server_address[1]}/v1"
+        summary = regeneration.regenerate(inp, str(tmp_path / "out.jsonl"),
+                                          lambda progress: regeneration.ServerBackend(url, args, progress),
+                                          log=lambda m: None)
+    finally:
+        server.shutdown()
+    assert summary["rows"] == 1 and summary["turns"] == 2
+    row = json.loads((tmp_path / "out.jsonl").read_text())
+    roles = [m["role"] for m in row["messages"]]
+    assert roles == ["system", "user", "assistant", "tool", "assistant"] and row["tools"] == [WEATHER]
+    call, answer = row["messages"][2], row["messages"][4]
+    assert call["reasoning_content"] == "I need the weather." and call["tool_calls"][0]["function"]["name"] == \
+        "get_weather" and call["content"] == ""
+    assert answer == {"role": "assistant", "content": "21 degrees.", "reasoning_content": "The tool said 21."}
+    assert all(r["tools"] == [WEATHER] for r in requests) and requests[1]["messages"][3]["role"] == "tool"

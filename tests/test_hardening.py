@@ -223,7 +223,7 @@ def test_regeneration_with_another_input_into_the_same_output_is_refused(tmp_pat
     first = write_jsonl(tmp_path / "a.jsonl", [{"messages": [{"role": "user", "content": "hello"}]}])
     second = write_jsonl(tmp_path / "b.jsonl", [{"messages": [{"role": "user", "content": "goodbye"}]}])
     out = str(tmp_path / "out.jsonl")
-    backend = lambda progress: (lambda convs: [("an answer", "stop", 2) for _ in convs])  # noqa: E731
+    backend = lambda progress: (lambda convs: [({"content": "an answer"}, "stop", 2) for _ in convs])  # noqa: E731
     assert regeneration.regenerate(first, out, backend, log=lambda m: None)["rows"] == 1
     assert regeneration.regenerate(first, out, backend, log=lambda m: None)["rows"] == 0  # done: nothing again
     with pytest.raises(ValueError, match="written from another input"):
@@ -305,7 +305,7 @@ def test_sigint_during_regeneration_stops_after_the_round_and_resumes(tmp_path):
             if len(asked) == 1:
                 os.kill(os.getpid(), signal.SIGINT)  # arrives while the first round is under way
                 time.sleep(0.1)
-            return [("an answer", "stop", 2) for _ in convs]
+            return [({"content": "an answer"}, "stop", 2) for _ in convs]
         return answer
     summary = regeneration.regenerate(inp, out, backend, window=2, log=lambda m: None)
     assert summary["interrupted"] and summary["rows"] == 2 and asked == [2]

@@ -328,7 +328,8 @@ def test_regeneration_rounds_stay_full_and_write_each_conversation_when_done():
 
     def backend(convs):  # answers with what it was asked, and how many answers it saw before
         rounds.append(len(convs))
-        return [(f"{c[-1]['content']}|{sum(m['role'] == 'assistant' for m in c)}", "stop", 1) for c in convs]
+        return [({"content": f"{c[-1]['content']}|{sum(m['role'] == 'assistant' for m in c)}"}, "stop", 1)
+                for c, _ in convs]
 
     summary = {"turns": 0, "tokens": 0, "finish": Counter()}
     handed = [[c.row_id for c in done] for done in regeneration.regenerate_rounds(backend, todo, 3, summary)]
