@@ -112,6 +112,9 @@ def build_parser():
       help="start afresh in an --output-dir that holds another run: its checkpoints, final/ and metrics go first")
     a("--resume-anyway", action="store_true",
       help="resume even where the checkpoint was made with other data or settings (said in the log)")
+    a("--init-drafter", default=None,
+      help="start from this drafter directory (this tool's final/ or a released DFlash drafter) on new data, with a "
+      "fresh optimizer and schedule; it must fit the target and these settings (checked, each difference named)")
     a("--compile", action="store_true", help="compile each drafter step and replay it as one CUDA graph")
     a("--target-attention", choices=("auto", "dense", "flex"), default="auto",
       help="the target stage's attention over packed documents: dense (transformers' SDPA under an [R, 1, L, L] "
@@ -263,6 +266,10 @@ def check_flags(flags):
     for name in ("warmup_ratio", "val_fraction"):
         if not 0 <= getattr(flags, name) < 1:
             raise UsageError(f"--{name.replace('_', '-')} {getattr(flags, name)} must be in [0, 1)")
+    if flags.init_drafter and flags.resume:
+        raise UsageError("--init-drafter starts a new run from a drafter, --resume continues a run: give one of them")
+    if flags.init_drafter and not os.path.exists(os.path.join(flags.init_drafter, "config.json")):
+        raise UsageError(f"--init-drafter {flags.init_drafter}: not a drafter directory (no config.json)")
     if flags.resume and flags.overwrite:
         raise UsageError("--resume continues the run in --output-dir, --overwrite replaces it: give one of them")
 
@@ -387,6 +394,26 @@ def resolve_settings(flags):
         loss_decay_gamma=flags.loss_decay_gamma or dm.default_loss_gamma(flags.block_size),
         drafter_attention=resolve_drafter_attention(flags.drafter_attention, drafter_devices, tc, flags.block_size),
         target_attention=target_attention, compile_target=compile_target, data_files=None)
+
+
+def check_init_drafter(settings, target_config):
+    """--init-drafter's drafter against the target and these settings: hidden size, vocabulary,
+    draft layers, block size, target layers, mask token; a UsageError naming each difference
+    (with the flags that would match it), before any model loads."""
+    config = dm.DFlashDraftModel.read_config(settings.init_drafter)
+    dflash = config.dflash_config
+    wrong = [f"{name} {getattr(config, name)} (the target's: {getattr(target_config, name)})"
+             for name in ("hidden_size", "vocab_size") if getattr(config, name) != getattr(target_config, name)]
+    for name, theirs, ours, flag in (
+            ("num_draft_layers", config.num_hidden_layers, settings.num_draft_layers, "--num-draft-layers"),
+            ("block_size", config.block_size, settings.block_size, "--block-size"),
+            ("target_layer_ids", list(dflash["target_layer_ids"]), settings.target_layer_ids, "--target-layer-ids"),
+            ("mask_token_id", dflash["mask_token_id"], settings.mask_token_id, "--mask-token-id")):
+        if theirs != ours:
+            value = ",".join(map(str, theirs)) if isinstance(theirs, list) else theirs
+            wrong.append(f"{name} {theirs} (here {ours}: pass {flag} {value})")
+    if wrong:
+        raise UsageError(f"--init-drafter {settings.init_drafter} does not fit: {'; '.join(wrong)}")
 
 
 def used_token_ids(tokenizer, model_path, chat_template_kwargs=None):
@@ -2114,6 +2141,8 @@ class Trainer:
         mask_token_id = choose_mask_token_id(self.tokenizer, vocab_size, self.corpus, s.mask_token_id, s.target_model,
                                              s.chat_template_kwargs)
         self.settings = s = s.replace(data_files=files, mask_token_id=mask_token_id)
+        if s.init_drafter:
+            check_init_drafter(s, self.target_config)
         W = len(s.drafter_devices) * self.cluster.world_size
         self.resumed = find_checkpoint(s.resume, s.output_dir, log) if s.resume else None
         if s.resume and self.resumed is None:
@@ -2147,9 +2176,14 @@ class Trainer:
         self.replicas, embed, head = load_target_replicas(s.target_model, s.target_devices, s.target_layer_ids,
                                                           self.log, s.target_attention, s.compile_target)
         self.drafters = build_drafters(s, self.target_config, embed, head, self.log)
-        if self.resumed is not None:
+        weights = self.resumed[1] if self.resumed is not None else None
+        if s.init_drafter:
+            from safetensors.torch import load_file
+            weights = load_file(os.path.join(s.init_drafter, "model.safetensors"))
+            self.log(f"drafter: starting from {s.init_drafter}")
+        if weights is not None:
             for d in self.drafters:
-                d.load_state_dict(self.resumed[1])
+                d.load_state_dict(weights)
 
     def train(self, show_progress=True):
         """Warm-up, capture and every step of the plan (or until a signal or an error)."""

@@ -1011,3 +1011,28 @@ def test_the_modules_import_one_way():
     assert not imports["dflash_model"] & set(modules)
     assert all("scripts" not in imported for imported in imports.values())
     assert [m for m, imported in imports.items() if "train_dflash_pipeline" in imported] == []
+
+
+def test_init_drafter_starts_from_a_drafter_that_fits_and_names_what_does_not(tmp_path, tiny_model_dir, capsys):
+    data = write_jsonl(tmp_path / "d.jsonl", chat_rows(40))
+    small = ["--target-gpus", "cpu", "--drafter-gpus", "cpu", "--num-draft-layers", "1", "--max-steps", "2"]
+    assert tp.main(pipeline_args(tmp_path / "a", tiny_model_dir, data, *small)) == 0
+    released = tmp_path / "a" / "final"
+    settings = tp.resolve_settings(tp.parse_flags(pipeline_args(tmp_path / "b", tiny_model_dir, data, *small,
+                                                                "--init-drafter", str(released))))
+    trainer = tp.Trainer(settings)
+    assert trainer.load_data()
+    trainer.load_models()
+    from safetensors.torch import load_file
+    want = load_file(released / "model.safetensors")
+    got = trainer.drafters[0].state_dict()
+    assert all(torch.equal(got[k].float(), want[k].float()) for k in want)  # bf16 on disk, exactly representable
+    trainer.close()
+    # a drafter of another shape: refused before any model loads, each difference and its flag named
+    capsys.readouterr()
+    assert tp.main(pipeline_args(tmp_path / "c", tiny_model_dir, data, *small, "--block-size", "8",
+                                 "--num-draft-layers", "2", "--init-drafter", str(released))) == 2
+    err = capsys.readouterr().err
+    assert "num_draft_layers 1 (here 2: pass --num-draft-layers 1)" in err and "block_size 4 (here 8" in err
+    assert tp.main(pipeline_args(tmp_path / "a", tiny_model_dir, data, *small, "--init-drafter", str(released),
+                                 "--resume", "auto")) == 2
