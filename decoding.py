@@ -266,16 +266,48 @@ class BatchDecoder:
         self.next_pos += keep
 
 
-def pick_tokens(logits, temperature=0.0, top_p=1.0, generator=None):
-    """[B, V] -> [B]: greedy at temperature 0, else sampled (nucleus top_p)."""
-    if temperature <= 0:
-        return logits.argmax(-1)
+def token_probs(logits, temperature, top_p=1.0):
+    """[..., V] logits -> the distribution sampling draws from: softmax at the temperature, cut to
+    the smallest set of tokens that reaches top_p (nucleus), renormalised."""
     probs = torch.softmax(logits.float() / temperature, -1)
     if top_p < 1.0:
         sorted_p, order = probs.sort(-1, descending=True)
         drop = sorted_p.cumsum(-1) - sorted_p > top_p  # keep the smallest prefix reaching top_p
         probs = torch.zeros_like(probs).scatter_(-1, order, sorted_p.masked_fill(drop, 0.0))
-    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+        probs = probs / probs.sum(-1, keepdim=True)
+    return probs
+
+
+def pick_tokens(logits, temperature=0.0, top_p=1.0, generator=None):
+    """[B, V] -> [B]: greedy at temperature 0, else sampled (nucleus top_p)."""
+    if temperature <= 0:
+        return logits.argmax(-1)
+    return torch.multinomial(token_probs(logits, temperature, top_p), 1, generator=generator).squeeze(-1)
+
+
+def verify_block(logits, draft, proposed, temperature=0.0, top_p=1.0, generator=None):
+    """(accepted drafts m [B], the target's next token [B]) of a verification step: logits [B, bs,
+    V] at the block's positions (the anchor, then the drafts), draft [B, bs - 1] (deterministic
+    proposals: a drafter's argmax, prompt lookup's n-gram), proposed [B] drafts a row holds.
+    Greedy (temperature 0): the drafts that equal the target's argmax, then its argmax. Sampled,
+    as vLLM verifies DFlash drafts: draft k is accepted with the target's probability of it, given
+    the ones before were; after a rejection the next token is drawn from the target's distribution
+    without the rejected token, renormalised, else from the target's distribution after the last
+    draft. The tokens kept are then distributed as the target's own samples."""
+    if temperature <= 0:
+        pred = logits.argmax(-1)
+        m = (draft == pred[:, :-1]).long().cumprod(-1).sum(-1).minimum(proposed)
+        return m, pred.gather(1, m[:, None]).squeeze(1)
+    probs = token_probs(logits, temperature, top_p)  # [B, bs, V]
+    p_draft = probs[:, :-1].gather(-1, draft[..., None]).squeeze(-1)
+    u = torch.rand(p_draft.shape, generator=generator, device=p_draft.device)
+    m = (u < p_draft).long().cumprod(-1).sum(-1).minimum(proposed)
+    p_next = probs.gather(1, m[:, None, None].expand(-1, 1, probs.shape[-1])).squeeze(1)  # [B, V]
+    rejected = draft.gather(1, m.clamp(max=draft.shape[1] - 1)[:, None])
+    residual = p_next.scatter(1, rejected, 0.0)
+    usable = (m < proposed) & (residual.sum(-1) > 0)
+    p_next = torch.where(usable[:, None], residual / residual.sum(-1, keepdim=True).clamp(min=1e-30), p_next)
+    return m, torch.multinomial(p_next, 1, generator=generator).squeeze(-1)
 
 
 def slots_for(prompt_len, new_slots, granule=256):
@@ -496,11 +528,13 @@ class DrafterContext:
 
 @torch.no_grad()
 def speculative_generate(model, prompts, max_new_tokens, stop_token_ids=(), drafter=None, block_size=16,
-                         batch_size=64, graph=True, max_ngram=3, progress=None):
-    """Greedy speculative decoding of every prompt, batched: a DFlash drafter (drafter given) or
-    prompt lookup (drafter None) proposes block_size - 1 tokens per row and step, the target
-    verifies all rows' blocks in one forward, and each row keeps its longest correct prefix plus
-    the target's next token. Returns [(tokens, [tokens gained per step])] per prompt, in order.
+                         batch_size=64, graph=True, max_ngram=3, progress=None, temperature=0.0, top_p=1.0, seed=0):
+    """Speculative decoding of every prompt, batched: a DFlash drafter (drafter given) or prompt
+    lookup (drafter None) proposes block_size - 1 tokens per row and step, the target verifies
+    all rows' blocks in one forward, and each row keeps what verify_block accepts plus the
+    target's next token: greedy at temperature 0 (the output equals greedy decoding), else
+    sampled (seeded; distributed as the target's own sampling). Returns [(tokens, [tokens gained
+    per step])] per prompt, in order.
 
     Convention (the servers' and the reference decoder's): a block starts at the token the target just chose (its hidden
     state unknown), the drafter's context is every token the target has verified."""
@@ -527,7 +561,8 @@ def speculative_generate(model, prompts, max_new_tokens, stop_token_ids=(), draf
         # every step with prompt lookup, whose proposals are made on the host): its tokens, how
         # many, whether it is done (a stop token or max_new_tokens), its gain at every step.
         B, j = decoder.B, torch.arange(bs, device=dev)
-        anchor = logits.argmax(-1)
+        gen = torch.Generator(device=dev).manual_seed(seed + idx[0])
+        anchor = pick_tokens(logits, temperature, top_p, gen)
         out = torch.zeros(B, max_new_tokens + bs, dtype=torch.long, device=dev)
         out[:, 0] = anchor
         count = torch.ones(B, dtype=torch.long, device=dev)
@@ -549,13 +584,12 @@ def speculative_generate(model, prompts, max_new_tokens, stop_token_ids=(), draf
                 proposed = torch.tensor([len(p) for p in props], device=dev)
             block_pos = decoder.next_pos[:, None] + j
             logits, hidden = decoder.step(torch.cat([anchor[:, None], draft], 1))
-            pred = logits.argmax(-1)  # [B, bs]
-            m = (draft == pred[:, :-1]).long().cumprod(-1).sum(-1).minimum(proposed)
+            m, target_next = verify_block(logits, draft, proposed, temperature, top_p, gen)
             if ctx is not None:  # all bs slots: those not kept are masked out and written over later
                 ctx.write(hidden, block_pos, decoder.pad[:, None] + block_pos)
             live = ~done
             decoder.advance((m + 1) * live)  # the block's first token and its m accepted drafts; finished rows stay
-            anchor = pred.gather(1, m[:, None]).squeeze(1)
+            anchor = target_next
             # the row's new tokens: its m accepted drafts, then the target's own next one
             new = torch.cat([draft, anchor[:, None]], 1).scatter(1, m[:, None], anchor[:, None])
             kept = (j <= m[:, None]) & live[:, None]

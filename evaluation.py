@@ -196,11 +196,23 @@ def acceptance_summary(gains_by_category):
             {str(k): hist[k] for k in sorted(hist)})
 
 
+def slot_acceptance(gains, block_size):
+    """The acceptance rate of each draft slot k = 1.. given the slots before it were accepted:
+    steps that accepted k drafts or more over those that accepted k - 1 or more."""
+    accepted = [g - 1 for g in gains]
+    reached = [sum(m >= k for m in accepted) for k in range(block_size)]
+    return [round(reached[k] / reached[k - 1], 4) if reached[k - 1] else None for k in range(1, block_size)]
+
+
 def evaluate_models(target, tokenizer, drafter, prompts, device, max_new_tokens, log=print,
-                    chat_template_kwargs=None, batch_size=64, show_progress=True):
-    """Greedy, drafter and prompt-lookup decoding of every prompt (turn by turn); returns the
-    report dict: both acceptance lengths, per category and as histograms, the speed-up of both
-    over greedy in the same run, and whether every output equals the greedy one."""
+                    chat_template_kwargs=None, batch_size=64, show_progress=True, temperature=0.0, top_p=1.0,
+                    seed=0):
+    """Target, drafter and prompt-lookup decoding of every prompt (turn by turn); returns the
+    report dict: both acceptance lengths, per category, as histograms and per draft slot, the
+    speed-up of both over the target alone in the same run, and (greedy) whether every output
+    equals the greedy one. At a temperature every decoding samples (seeded; speculative
+    sampling's output is distributed as the target's), multi-turn prompts continue with the
+    target's own sample, and outputs are not compared token for token (lossless: None)."""
     from tqdm import tqdm
     stop = stop_token_ids(tokenizer, target.generation_config)
     gains = {"drafter": defaultdict(list), "lookup": defaultdict(list)}
@@ -229,17 +241,18 @@ def evaluate_models(target, tokenizer, drafter, prompts, device, max_new_tokens,
             progress = lambda rows, tokens: bar.update(rows)
             if kw is None:
                 runs[name] = [(t, None) for t, _ in generate(target, ids, max_new_tokens, stop, batch_size,
-                                                                progress=progress)]
+                                                                temperature, top_p, seed + k, progress=progress)]
             else:
                 runs[name] = speculative_generate(target, ids, max_new_tokens, stop, batch_size=batch_size,
-                                                     progress=progress, **kw)
+                                                     progress=progress, temperature=temperature, top_p=top_p,
+                                                     seed=seed + k, **kw)
             sync(device)
             seconds[name] += time.perf_counter() - t0
         for j, i in enumerate(live):
             category, reference = prompts[i][0], runs["greedy"][j][0]
             for name in ("drafter", "lookup"):
                 output, gained = runs[name][j]
-                if output != reference:
+                if output != reference and temperature <= 0:
                     first = next((n for n, (a, b) in enumerate(zip(output, reference)) if a != b),
                                  min(len(output), len(reference)))
                     tie, gap = near_tie(target, ids[j], reference, output, first) \
@@ -266,6 +279,10 @@ def evaluate_models(target, tokenizer, drafter, prompts, device, max_new_tokens,
         "acceptance_length": acceptance, "per_category": per_category, "histogram": histogram,
         "prompt_lookup_acceptance_length": lookup, "prompt_lookup_per_category": lookup_per_category,
         "prompt_lookup_histogram": lookup_histogram,
+        "acceptance_per_slot": slot_acceptance([g for v in gains["drafter"].values() for g in v], drafter.block_size),
+        "prompt_lookup_acceptance_per_slot": slot_acceptance([g for v in gains["lookup"].values() for g in v],
+                                                             drafter.block_size),
+        "temperature": temperature, "top_p": top_p, "seed": seed,
         "tokens_per_target_forward": generated / max(forwards, 1),
         # the drafter teacher-forced on the greedy answers: tau_hat as training computes it, and
         # real decoding replayed over its taus (= acceptance_length but for the answers' last blocks)
@@ -278,11 +295,13 @@ def evaluate_models(target, tokenizer, drafter, prompts, device, max_new_tokens,
         "prompts": len(prompts), "answers": sum(len(t) for _, t in prompts), "generated_tokens": generated,
         "max_new_tokens": max_new_tokens, "block_size": drafter.block_size, "batch_size": batch_size,
         # a difference at a near-tie of the target's own logits is rounding, not a wrong token
-        "lossless": not [m for m in mismatches if not m["near_tie"]], "mismatches": mismatches,
+        "lossless": not [m for m in mismatches if not m["near_tie"]] if temperature <= 0 else None,
+        "mismatches": mismatches,
         "near_ties": sum(m["near_tie"] for m in mismatches),
     }
     fmt = lambda x: "-" if x is None else f"{x:.2f}"  # noqa: E731
-    log(f"eval: acceptance length {acceptance:.2f} (prompt lookup {lookup:.2f}) on {report['answers']} answers; "
+    log(f"eval{f' at temperature {temperature:g}' if temperature > 0 else ''}: acceptance length {acceptance:.2f} "
+        f"(prompt lookup {lookup:.2f}) on {report['answers']} answers; per slot {report['acceptance_per_slot']}; "
         f"histogram {histogram}; teacher-forced on the target's own outputs: tau_hat "
         f"{report['teacher_forced_tau_hat']:.2f}, "
         f"decoding replayed {report['teacher_forced_acceptance_length']:.2f}; where prompt lookup copies "
@@ -324,7 +343,8 @@ def evaluation_report_path(target_name, drafter_dir, output=None):
 
 
 def evaluate_drafter_dir(target_name, drafter_dir, prompts, device, max_new_tokens, chat_template_kwargs=None,
-                         log=print, target=None, batch_size=64, prompt_files=(), output=None):
+                         log=print, target=None, batch_size=64, prompt_files=(), output=None, temperature=0.0,
+                         top_p=1.0, seed=0):
     """evaluate_models on a saved drafter directory (`target`: an already loaded target to reuse),
     after checking that the drafter fits the target (ValueError naming each difference, before
     anything decodes). The report says what it measured (target, drafter, prompt files and their
@@ -340,9 +360,13 @@ def evaluate_drafter_dir(target_name, drafter_dir, prompts, device, max_new_toke
     drafter = dm.DFlashDraftModel.from_pretrained(drafter_dir, device=device, dtype=dtype).attach_target(target).eval()
     report = evaluate_models(target, tokenizer, drafter, prompts, device, max_new_tokens, log, chat_template_kwargs,
                              batch_size)
+    if temperature > 0:  # the greedy report, and the sampled one beside it
+        report["sampled"] = evaluate_models(target, tokenizer, drafter, prompts, device, max_new_tokens, log,
+                                            chat_template_kwargs, batch_size, True, temperature, top_p, seed)
     report.update(target=target_name, drafter=os.path.abspath(drafter_dir),
                   prompt_files=[{"file": os.path.abspath(f), "sha256": file_digest(f)} for f in prompt_files],
-                  decoding={"temperature": 0.0, "max_new_tokens": max_new_tokens, "batch_size": batch_size,
+                  decoding={"temperature": 0.0, "sampled_temperature": temperature, "top_p": top_p, "seed": seed,
+                            "max_new_tokens": max_new_tokens, "batch_size": batch_size,
                             "chat_template_kwargs": chat_template_kwargs or {}})
     with open(path, "w") as f:
         json.dump(report, f, indent=1)

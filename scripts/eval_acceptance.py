@@ -44,12 +44,19 @@ def main(argv=None):
     p.add_argument("--batch-size", type=int, default=64, help="prompts decoded together")
     p.add_argument("--chat-template-kwargs", default=None,
                    help="JSON; default: those recorded in the drafter's dflash_training.json")
+    p.add_argument("--temperature", type=float, default=0.0,
+                   help="also measure at this sampling temperature (speculative sampling, as vLLM verifies DFlash "
+                   "drafts), beside greedy: the report's `sampled`")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=0)
     p.add_argument("--output", default=None,
                    help="the report's file (default: eval_acceptance.json beside the drafter, for its own target)")
     args = p.parse_args(argv)
     for name in ("max_new_tokens", "batch_size", "num_prompts"):
         if getattr(args, name) is not None and getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} {getattr(args, name)} must be at least 1")
+    if args.temperature < 0 or not 0 < args.top_p <= 1:
+        p.error(f"--temperature {args.temperature} must be 0 or more, --top-p {args.top_p} in (0, 1]")
     try:
         kwargs = chat_data.parse_chat_template_kwargs(args.chat_template_kwargs) \
             if args.chat_template_kwargs is not None \
@@ -61,11 +68,12 @@ def main(argv=None):
         prompts = prompts[:args.num_prompts]
         report = evaluation.evaluate_drafter_dir(args.target_model, args.drafter, prompts, args.device,
                                                  args.max_new_tokens, kwargs, batch_size=args.batch_size,
-                                                 prompt_files=[prompts_file], output=args.output)
+                                                 prompt_files=[prompts_file], output=args.output,
+                                                 temperature=args.temperature, top_p=args.top_p, seed=args.seed)
     except (chat_data.UsageError, ValueError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    print(json.dumps({k: v for k, v in report.items() if k != "mismatches"}, indent=1))
+    print(json.dumps({k: v for k, v in report.items() if k != "mismatches"}, indent=1, default=str))
     if not report["lossless"]:
         print(f"FAILED: {len(report['mismatches'])} speculative outputs differ from target greedy decoding: "
               f"{report['mismatches'][:5]}", file=sys.stderr)

@@ -962,3 +962,54 @@ def test_validation_replay_over_a_packed_row_equals_the_evaluations_replay_per_a
     assert sum(n - 1 for n in answers) <= sum(packed) <= sum(answers) and len(set(packed)) >= 3, packed
     # two answers side by side in two documents are two replays, each with its first token given
     assert evaluation.replayed_over_answers(lambda p, end: 1, [1] * 6, [0, 0, 0, 1, 1, 1]) == [([1, 1], True), ([1, 1], True)]
+
+
+def chi_square(a, b):
+    """Pearson's statistic of homogeneity of two samples' counts (categories with fewer than 10
+    draws in both pooled into one), and its degrees of freedom."""
+    from collections import Counter
+    ca, cb = Counter(a), Counter(b)
+    rare = [k for k in set(ca) | set(cb) if ca[k] + cb[k] < 10]
+    rows = [(ca[k], cb[k]) for k in set(ca) | set(cb) if k not in rare] + [(sum(ca[k] for k in rare),
+                                                                            sum(cb[k] for k in rare))]
+    rows = [r for r in rows if sum(r)]
+    na, nb = len(a), len(b)
+    stat = sum((x - na * (x + y) / (na + nb)) ** 2 / (na * (x + y) / (na + nb)) +
+               (y - nb * (x + y) / (na + nb)) ** 2 / (nb * (x + y) / (na + nb)) for x, y in rows)
+    return stat, len(rows) - 1
+
+
+# Upper 0.1% points of the chi-square distribution (a false alarm once in a thousand runs).
+CHI2_999 = {1: 10.83, 2: 13.82, 3: 16.27, 4: 18.47, 5: 20.52, 6: 22.46, 7: 24.32, 8: 26.12, 9: 27.88, 10: 29.59,
+            11: 31.26, 12: 32.91, 13: 34.53, 14: 36.12, 15: 37.70}
+
+
+@torch.no_grad()
+def test_speculative_sampling_is_distributed_as_the_target_samples(monkeypatch):
+    """At a temperature the tokens speculative decoding keeps are the target's own samples: the
+    marginal distribution of each generated position over many seeded rows equals plain sampling's
+    (chi-square test of homogeneity at 0.1%), for the drafter and for prompt lookup. An
+    acceptance rule that keeps every draft fails the same test."""
+    torch.manual_seed(0)
+    target = tiny_target(vocab=8, layers=4, hidden=32, dtype=torch.float32, init_std=0.6)
+    drafter = make_drafter(target, block_size=4).float()
+    prompt, n, new = [1, 2, 3, 1], 3000, 4
+    plain = decoding.generate(target, [prompt] * n, new, batch_size=n, temperature=1.0, seed=1, graph=False)
+
+    def sampled(**kw):
+        return decoding.speculative_generate(target, [prompt] * n, new, batch_size=n, graph=False, temperature=1.0,
+                                             seed=2, **kw)
+
+    def worst(runs):
+        stats = [chi_square([t[k] for t, _ in plain], [t[k] for t, _ in runs]) for k in range(1, new)]
+        return max(stat / CHI2_999[df] for stat, df in stats)
+    spec, lookup = sampled(drafter=drafter), sampled(drafter=None, block_size=4)
+    assert worst(spec) < 1 and worst(lookup) < 1
+    assert sum(len(g) for _, g in spec) < n * (new - 1)  # drafts were accepted: fewer steps than tokens
+    real = decoding.verify_block
+
+    def keep_every_draft(logits, draft, proposed, temperature=0.0, top_p=1.0, generator=None):
+        m, _ = real(logits, draft, proposed, 0.0)
+        return proposed, decoding.pick_tokens(logits[torch.arange(len(m)), proposed], temperature, top_p, generator)
+    monkeypatch.setattr(decoding, "verify_block", keep_every_draft)
+    assert worst(sampled(drafter=drafter)) > 1

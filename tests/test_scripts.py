@@ -727,3 +727,19 @@ def test_benchmark_matmul_table_groups_ops_by_shape_and_kernel(tmp_path):
     assert lines[2].split()[:3] == ["0.50", "0.5", f"{2 * 1024 * 12288 * 4096 / 1e-3 / 1e12:.0f}"]
     bm.matmul_shapes(types.SimpleNamespace(events=lambda: []), 2, str(tmp_path / "graph.matmuls"))
     assert not (tmp_path / "graph.matmuls").exists()
+
+
+def test_acceptance_per_slot_and_at_a_temperature(monkeypatch):
+    # slot k's rate: steps that accepted k drafts or more over those that accepted k - 1 or more
+    assert evaluation.slot_acceptance([4, 1, 2, 4], 4) == [0.75, 0.6667, 1.0]
+    target, drafter = counter_models()
+    oracle_drafter(monkeypatch, True)
+    run = lambda **kw: evaluation.evaluate_models(target, tiny_tokenizer(), drafter, PROMPTS, "cpu", 21,  # noqa: E731
+                                                  log=lambda *a: None, batch_size=2, show_progress=False, **kw)
+    greedy, sampled = run(), run(temperature=1.0, seed=3)
+    assert greedy["lossless"] and greedy["temperature"] == 0.0 and min(greedy["acceptance_per_slot"]) > 0.8
+    # the counter target is all but certain of its next token: sampling accepts what greedy does
+    assert sampled["lossless"] is None and sampled["temperature"] == 1.0
+    assert min(sampled["acceptance_per_slot"]) > 0.8 and sampled["acceptance_length"] > 3
+    oracle_drafter(monkeypatch, False)  # drafts always off by one: slot 1 never accepted
+    assert run(temperature=1.0)["acceptance_per_slot"][0] < 0.05
