@@ -25,7 +25,9 @@ from target_model import collect_layer_outputs, load_full_target, load_tokenizer
 
 def prompt_turns(row):
     """The user turns of one prompts-file row: text, or token ids (input_ids: one turn, the prompt
-    exactly as the target reads it). BadRow, naming the reason, for a row that is none of these."""
+    exactly as the target reads it); a messages row's system prompt first, as a system message.
+    Rows of the usual acceptance benchmarks read too: question, problem, instruction (+ input),
+    text. BadRow, naming the reason, for a row that is none of these."""
     if not isinstance(row, dict):
         raise BadRow("not a JSON object")
     is_text = lambda t: isinstance(t, str) and t.strip() != ""
@@ -43,21 +45,47 @@ def prompt_turns(row):
             raise BadRow("prompt is not text")
         return [row["prompt"]]
     if "messages" in row or "conversations" in row:
-        turns = [m["content"] for m in row_to_messages(row, require_assistant=False) if m["role"] == "user"]
+        messages = row_to_messages(row, require_assistant=False)
+        turns = [m["content"] for m in messages if m["role"] == "user"]
         if not turns or not all(map(is_text, turns)):
             raise BadRow("no user turn with text")
-        return turns
-    raise BadRow("no prompt, turns, messages, conversations or input_ids")
+        first_user = next(k for k, m in enumerate(messages) if m["role"] == "user")
+        system = [{"role": "system", "content": m["content"]} for m in messages[:first_user] if m["role"] == "system"]
+        return system + turns
+    for field in ("question", "problem", "text"):
+        if field in row:
+            if not is_text(row[field]):
+                raise BadRow(f"{field} is not text")
+            return [row[field]]
+    if "instruction" in row:
+        extra = row.get("input") or ""
+        if not is_text(row["instruction"]) or not isinstance(extra, str):
+            raise BadRow("instruction (or its input) is not text")
+        return [row["instruction"] + ("\n\n" + extra if extra.strip() else "")]
+    raise BadRow("no prompt, turns, messages, conversations, input_ids, question, problem, instruction or text")
+
+
+def split_system(turns):
+    """(the prompt's system messages, its user turns) of a prompt's turns (prompt_turns)."""
+    return [t for t in turns if isinstance(t, dict)], [t for t in turns if not isinstance(t, dict)]
+
+
+def first_turns(turns, n):
+    """A prompt's system messages and its first n user turns."""
+    system, user = split_system(turns)
+    return system + user[:n]
 
 
 def read_prompts(path, log=print):
-    """[(category, [user turn, ...]), ...] from a JSONL prompts file. Rows that cannot be used
-    (bad JSON, not UTF-8, a field of the wrong type, no turn) are skipped, counted by reason with
-    file:line examples, and said; a file with no usable row is an error."""
+    """[(category, [user turn, ...]), ...] from a JSONL prompts file (prompt_turns; the category
+    defaults to the file's name). Rows that cannot be used (bad JSON, not UTF-8, a field of the
+    wrong type, no turn) are skipped, counted by reason with file:line examples, and said; a file
+    with no usable row is an error."""
     out, stats = [], DocumentStats()
+    default = os.path.splitext(os.path.basename(path))[0]
     for _, where, row in jsonl_rows(path, stats):
         try:
-            out.append((str(row.get("category", "all")), prompt_turns(row)))
+            out.append((str(row.get("category", default)), prompt_turns(row)))
         except BadRow as e:
             stats.note(stats.skipped_rows, str(e), where)
     for line in stats.summary()[1:]:
@@ -93,7 +121,7 @@ def heldout_prompts(settings, tokenizer, n):
     if n <= 0:
         return []
     step = max(1, len(prompts) // n)
-    return [(cat, turns[:getattr(settings, "eval_turns", 1)]) for cat, turns in prompts[::step][:n]]
+    return [(cat, first_turns(turns, getattr(settings, "eval_turns", 1))) for cat, turns in prompts[::step][:n]]
 
 
 def sync(device):
@@ -206,18 +234,22 @@ def slot_acceptance(gains, block_size):
 
 def evaluate_models(target, tokenizer, drafter, prompts, device, max_new_tokens, log=print,
                     chat_template_kwargs=None, batch_size=64, show_progress=True, temperature=0.0, top_p=1.0,
-                    seed=0):
+                    seed=0, files=None):
     """Target, drafter and prompt-lookup decoding of every prompt (turn by turn); returns the
     report dict: both acceptance lengths, per category, as histograms and per draft slot, the
     speed-up of both over the target alone in the same run, and (greedy) whether every output
     equals the greedy one. At a temperature every decoding samples (seeded; speculative
     sampling's output is distributed as the target's), multi-turn prompts continue with the
-    target's own sample, and outputs are not compared token for token (lossless: None)."""
+    target's own sample, and outputs are not compared token for token (lossless: None). files:
+    each prompt's file, for the per-file figures."""
     from tqdm import tqdm
     stop = stop_token_ids(tokenizer, target.generation_config)
     gains = {"drafter": defaultdict(list), "lookup": defaultdict(list)}
+    by_file = {"drafter": defaultdict(list), "lookup": defaultdict(list)}
     seconds = {"greedy": 0.0, "drafter": 0.0, "lookup": 0.0}
-    mismatches, histories = [], [[] for _ in prompts]
+    histories = [split_system(turns)[0] for _, turns in prompts]  # a system prompt stays the conversation's
+    prompts = [(category, split_system(turns)[1]) for category, turns in prompts]
+    mismatches = []
     generated = forwards = 0
     tf_taus, tf_gains, lookup_taus = [], [], []
     bar = tqdm(total=3 * sum(len(turns) for _, turns in prompts), unit="answer", desc="eval",
@@ -260,6 +292,8 @@ def evaluate_models(target, tokenizer, drafter, prompts, device, max_new_tokens,
                     mismatches.append({"method": name, "prompt": i, "turn": k, "first_difference_at": first,
                                        "near_tie": tie, "logit_gap": gap})
                 gains[name][category] += gained
+                if files is not None:
+                    by_file[name][files[i]] += gained
             taus, replayed = teacher_forced_gains(target, drafter, torch.tensor([ids[j]], device=device), reference)
             tf_taus += taus
             tf_gains += replayed
@@ -283,6 +317,9 @@ def evaluate_models(target, tokenizer, drafter, prompts, device, max_new_tokens,
         "prompt_lookup_acceptance_per_slot": slot_acceptance([g for v in gains["lookup"].values() for g in v],
                                                              drafter.block_size),
         "temperature": temperature, "top_p": top_p, "seed": seed,
+        "per_file": {f: {"acceptance_length": acceptance_summary({f: g})[0],
+                         "prompt_lookup_acceptance_length": acceptance_summary({f: by_file["lookup"][f]})[0]}
+                     for f, g in by_file["drafter"].items()},
         "tokens_per_target_forward": generated / max(forwards, 1),
         # the drafter teacher-forced on the greedy answers: tau_hat as training computes it, and
         # real decoding replayed over its taus (= acceptance_length but for the answers' last blocks)
@@ -344,7 +381,7 @@ def evaluation_report_path(target_name, drafter_dir, output=None):
 
 def evaluate_drafter_dir(target_name, drafter_dir, prompts, device, max_new_tokens, chat_template_kwargs=None,
                          log=print, target=None, batch_size=64, prompt_files=(), output=None, temperature=0.0,
-                         top_p=1.0, seed=0):
+                         top_p=1.0, seed=0, files=None):
     """evaluate_models on a saved drafter directory (`target`: an already loaded target to reuse),
     after checking that the drafter fits the target (ValueError naming each difference, before
     anything decodes). The report says what it measured (target, drafter, prompt files and their
@@ -359,10 +396,10 @@ def evaluate_drafter_dir(target_name, drafter_dir, prompts, device, max_new_toke
     dtype = next(target.parameters()).dtype
     drafter = dm.DFlashDraftModel.from_pretrained(drafter_dir, device=device, dtype=dtype).attach_target(target).eval()
     report = evaluate_models(target, tokenizer, drafter, prompts, device, max_new_tokens, log, chat_template_kwargs,
-                             batch_size)
+                             batch_size, files=files)
     if temperature > 0:  # the greedy report, and the sampled one beside it
         report["sampled"] = evaluate_models(target, tokenizer, drafter, prompts, device, max_new_tokens, log,
-                                            chat_template_kwargs, batch_size, True, temperature, top_p, seed)
+                                            chat_template_kwargs, batch_size, True, temperature, top_p, seed, files)
     report.update(target=target_name, drafter=os.path.abspath(drafter_dir),
                   prompt_files=[{"file": os.path.abspath(f), "sha256": file_digest(f)} for f in prompt_files],
                   decoding={"temperature": 0.0, "sampled_temperature": temperature, "top_p": top_p, "seed": seed,

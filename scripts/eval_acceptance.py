@@ -36,8 +36,9 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--target-model", required=True)
     p.add_argument("--drafter", required=True, help="a drafter directory (config.json + model.safetensors)")
-    p.add_argument("--prompts", default=None, help="JSONL; default: the 80 MT-Bench questions")
-    p.add_argument("--num-prompts", type=int, default=None)
+    p.add_argument("--prompts", nargs="+", default=None,
+                   help="JSONL files (results per file too); default: the 80 MT-Bench questions")
+    p.add_argument("--num-prompts", type=int, default=None, help="at most this many prompts of each file")
     p.add_argument("--single-turn", action="store_true", help="only the first turn of multi-turn prompts")
     p.add_argument("--device", default="cuda:0" if torch.cuda.is_available() else "cpu")
     p.add_argument("--max-new-tokens", type=int, default=256)
@@ -61,15 +62,19 @@ def main(argv=None):
         kwargs = chat_data.parse_chat_template_kwargs(args.chat_template_kwargs) \
             if args.chat_template_kwargs is not None \
             else dm.read_training_record(args.drafter).get("chat_template_kwargs", {})
-        prompts_file = args.prompts or demo_assets.mtbench_file()
-        prompts = evaluation.read_prompts(prompts_file)
+        prompt_files = args.prompts or [demo_assets.mtbench_file()]
+        prompts, files = [], []
+        for path in prompt_files:
+            read = evaluation.read_prompts(path)[:args.num_prompts]
+            prompts += read
+            files += [os.path.basename(path)] * len(read)
         if args.single_turn:
-            prompts = [(c, t[:1]) for c, t in prompts]
-        prompts = prompts[:args.num_prompts]
+            prompts = [(c, evaluation.first_turns(t, 1)) for c, t in prompts]
         report = evaluation.evaluate_drafter_dir(args.target_model, args.drafter, prompts, args.device,
                                                  args.max_new_tokens, kwargs, batch_size=args.batch_size,
-                                                 prompt_files=[prompts_file], output=args.output,
-                                                 temperature=args.temperature, top_p=args.top_p, seed=args.seed)
+                                                 prompt_files=prompt_files, output=args.output,
+                                                 temperature=args.temperature, top_p=args.top_p, seed=args.seed,
+                                                 files=files)
     except (chat_data.UsageError, ValueError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -48,6 +48,12 @@ def spec_counters(text):
     return total("vllm:spec_decode_num_accepted_tokens_total"), total("vllm:spec_decode_num_drafts_total")
 
 
+def conversation(turns):
+    """The messages of a prompt's first turn: its system prompt, if any, then the user turn."""
+    system, user = evaluation.split_system(turns)
+    return system + [{"role": "user", "content": user[0]}]
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--target-model", required=True)
@@ -69,7 +75,7 @@ def main(argv=None):
     with open(os.path.join(args.drafter, "config.json")) as f:
         block = json.load(f)["block_size"]
     prompts = evaluation.read_prompts(args.prompts or demo_assets.mtbench_file())
-    prompts = [(c, t[:1]) for c, t in prompts][:args.num_prompts]
+    prompts = [(c, evaluation.first_turns(t, 1)) for c, t in prompts][:args.num_prompts]
     target_path = target_model.resolve_model_path(args.target_model)
     port = free_port()
     spec = json.dumps({"method": "dflash", "model": os.path.abspath(args.drafter), "num_speculative_tokens": block - 1})
@@ -107,7 +113,7 @@ def main(argv=None):
         before = spec_counters(httpx.get(base + "/metrics", timeout=10).text)
         served = []
         for _, turns in prompts:
-            body = {"model": target_path, "messages": [{"role": "user", "content": turns[0]}],
+            body = {"model": target_path, "messages": conversation(turns),
                     "max_tokens": args.max_new_tokens, "temperature": 0.0, "chat_template_kwargs": kwargs}
             r = httpx.post(base + "/v1/chat/completions", json=body, timeout=600)
             r.raise_for_status()
@@ -132,7 +138,7 @@ def main(argv=None):
     report = evaluation.evaluate_drafter_dir(args.target_model, args.drafter, prompts, args.device, args.max_new_tokens,
                                              kwargs, log=lambda m: None, target=target, output=os.devnull)
     tokenizer = target_model.load_tokenizer(args.target_model)
-    ids = [chat_data.prompt_ids(tokenizer, [{"role": "user", "content": t[0]}], kwargs) for _, t in prompts]
+    ids = [chat_data.prompt_ids(tokenizer, conversation(t), kwargs) for _, t in prompts]
     greedy = [tokenizer.decode(t, skip_special_tokens=True)
               for t, _ in decoding.generate(target, ids, args.max_new_tokens,
                                       target_model.stop_token_ids(tokenizer, target.generation_config))]

@@ -743,3 +743,30 @@ def test_acceptance_per_slot_and_at_a_temperature(monkeypatch):
     assert min(sampled["acceptance_per_slot"]) > 0.8 and sampled["acceptance_length"] > 3
     oracle_drafter(monkeypatch, False)  # drafts always off by one: slot 1 never accepted
     assert run(temperature=1.0)["acceptance_per_slot"][0] < 0.05
+
+
+def test_prompt_sets_of_several_files_and_benchmark_fields_keep_system_prompts(tmp_path, monkeypatch):
+    """Rows of the usual acceptance benchmarks read as prompts, the category defaulting to the
+    file's name; a messages row's system prompt is what the target is shown; results per file."""
+    a = write_jsonl(tmp_path / "gsm.jsonl", [{"question": "two plus two"}, {"problem": "three minus one"}])
+    b = write_jsonl(tmp_path / "alpaca.jsonl", [{"instruction": "Say it", "input": "loud"}, {"text": "plain"},
+                                               {"messages": [{"role": "system", "content": "You are a pirate."},
+                                                             {"role": "user", "content": "Hello"}]}])
+    prompts = evaluation.read_prompts(str(a)) + evaluation.read_prompts(str(b))
+    assert [c for c, _ in prompts] == ["gsm", "gsm", "alpaca", "alpaca", "alpaca"]
+    assert prompts[2][1] == ["Say it\n\nloud"] and prompts[3][1] == ["plain"]
+    assert prompts[4][1] == [{"role": "system", "content": "You are a pirate."}, "Hello"]
+    assert evaluation.first_turns(prompts[4][1], 1) == prompts[4][1]
+    target, drafter = counter_models()
+    oracle_drafter(monkeypatch, True)
+    shown = []
+    real = chat_data.prompt_ids
+
+    def spy(tokenizer, messages, *rest):
+        shown.append([m["role"] for m in messages])
+        return real(tokenizer, messages, *rest)
+    monkeypatch.setattr(evaluation, "prompt_ids", spy)
+    r = evaluation.evaluate_models(target, tiny_tokenizer(), drafter, prompts, "cpu", 12, log=lambda *a: None,
+                                   batch_size=2, show_progress=False, files=["gsm"] * 2 + ["alpaca"] * 3)
+    assert ["system", "user"] in shown and set(r["per_file"]) == {"gsm", "alpaca"}
+    assert all(v["acceptance_length"] >= 1 for v in r["per_file"].values()) and r["answers"] == 5
