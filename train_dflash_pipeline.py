@@ -146,6 +146,9 @@ def build_parser():
     a("--eval-prompts", type=int, default=8, help="how many held-out prompts to evaluate at the end (0: none)")
     a("--eval-max-new-tokens", type=int, default=64)
     a("--eval-turns", type=int, default=1, help="turns of each multi-turn held-out prompt to evaluate")
+    a("--eval-temperature", type=float, default=0.0,
+      help="also measure the acceptance length at this sampling temperature (speculative sampling), beside greedy: "
+      "in the final evaluation and at --eval-interval steps")
     a("--regen-max-new-tokens", type=int, default=512, help="GPU demo: longest regenerated reply")
     a("--regen-batch-size", type=int, default=1024,
       help="GPU demo: rows the target decodes together while regenerating (fewer where the KV cache would not fit)")
@@ -250,6 +253,8 @@ def check_flags(flags):
         raise UsageError(f"--num-anchors {flags.num_anchors} must be in [1, --max-length={flags.max_length})")
     if flags.data_workers < 0:
         raise UsageError(f"--data-workers {flags.data_workers} must be 0 (one per CPU core) or more")
+    if flags.eval_temperature < 0:
+        raise UsageError(f"--eval-temperature {flags.eval_temperature} must be 0 (greedy alone) or more")
     if not 0 < flags.decay_ratio <= 1:
         raise UsageError(f"--decay-ratio {flags.decay_ratio} must be in (0, 1]")
     # grad_clip 0 would scale every update to nothing
@@ -1776,14 +1781,14 @@ class HeldOut:
             self.target = load_full_target(self.settings.target_model, dev)
         return self.target
 
-    def evaluate(self, drafter, step, tau_hat, val_replayed=None):
+    def evaluate(self, drafter_in, step, tau_hat, val_replayed=None):
         """The real acceptance length of the current drafter (lossless speculative decoding on
         held-out prompts) next to the training estimate tau_hat of the last log interval, the
         teacher-forced figures on the target's own answers to those prompts, and the validation's
         replay (all answers, first answers) just before."""
         target = self.full_target()
         dev = next(target.parameters()).device
-        drafter = copy.deepcopy(drafter).to(dev).eval().attach_target(target)
+        drafter = copy.deepcopy(drafter_in).to(dev).eval().attach_target(target)
         report = evaluate_models(target, self.tokenizer, drafter, self.prompts, dev, self.settings.eval_max_new_tokens,
                                  lambda m: None, self.settings.chat_template_kwargs, show_progress=False)
         del drafter
@@ -1796,8 +1801,21 @@ class HeldOut:
                  f"decoding replayed {report['teacher_forced_acceptance_length']:.3f}; lossless {report['lossless']}"
                  + ("" if val_replayed is None else "; replayed on held-out training documents {:.3f} (first "
                     "answers {:.3f})".format(*val_replayed)))
-        self.log.record({"step": step, "eval_acceptance_length": measured, "tau_hat": tau_hat,
-                           "teacher_forced_tau_hat": tf, "eval_lossless": report["lossless"]})
+        rec = {"step": step, "eval_acceptance_length": measured, "tau_hat": tau_hat, "teacher_forced_tau_hat": tf,
+               "eval_lossless": report["lossless"], "eval_acceptance_per_slot": report["acceptance_per_slot"]}
+        t = self.settings.eval_temperature
+        if t > 0:
+            drafter = copy.deepcopy(drafter_in).to(dev).eval().attach_target(target)
+            sampled = evaluate_models(target, self.tokenizer, drafter, self.prompts, dev,
+                                      self.settings.eval_max_new_tokens, lambda m: None,
+                                      self.settings.chat_template_kwargs, show_progress=False, temperature=t,
+                                      seed=self.settings.seed)
+            del drafter
+            self.log(f"eval step {step} at temperature {t:g}: acceptance length {sampled['acceptance_length']:.3f} "
+                     f"(prompt lookup {sampled['prompt_lookup_acceptance_length']:.3f}); per slot "
+                     f"{sampled['acceptance_per_slot']}")
+            rec.update(eval_sampled_acceptance_length=sampled["acceptance_length"], eval_temperature=t)
+        self.log.record(rec)
 
 
 # -----------------------------------------------------------------------------
@@ -2257,7 +2275,8 @@ class Trainer:
         target = self.run.held_out.full_target()
         report = evaluate_drafter_dir(s.target_model, final_dir, prompts, next(target.parameters()).device,
                                       s.eval_max_new_tokens, s.chat_template_kwargs, log=log, target=target,
-                                      prompt_files=[heldout_prompts_file(s)])
+                                      prompt_files=[heldout_prompts_file(s)], temperature=s.eval_temperature,
+                                      seed=s.seed)
         log(f"eval: acceptance length {report['acceptance_length']:.2f} (prompt lookup "
             f"{report['prompt_lookup_acceptance_length']:.2f}) on {report['answers']} held-out answers; speed-up over "
             f"greedy {report['speedup_vs_greedy']:.2f}x "

@@ -1036,3 +1036,19 @@ def test_init_drafter_starts_from_a_drafter_that_fits_and_names_what_does_not(tm
     assert "num_draft_layers 1 (here 2: pass --num-draft-layers 1)" in err and "block_size 4 (here 8" in err
     assert tp.main(pipeline_args(tmp_path / "a", tiny_model_dir, data, *small, "--init-drafter", str(released),
                                  "--resume", "auto")) == 2
+
+
+def test_evaluations_at_a_temperature_beside_greedy(tmp_path, tiny_model_dir):
+    data = write_jsonl(tmp_path / "d.jsonl", chat_rows(40))
+    prompts = write_jsonl(tmp_path / "p.jsonl", [{"prompt": "the cat"}, {"prompt": "a dog ran"}])
+    args = pipeline_args(tmp_path / "o", tiny_model_dir, data, "--target-gpus", "cpu", "--drafter-gpus", "cpu",
+                         "--num-draft-layers", "1", "--max-steps", "4", "--log-interval", "2", "--eval-interval", "2",
+                         "--eval-data", prompts, "--eval-prompts", "2", "--eval-max-new-tokens", "8",
+                         "--eval-temperature", "1.0")
+    assert tp.main(args) == 0
+    with open(tmp_path / "o" / "metrics.jsonl") as f:
+        evals = [r for r in map(json.loads, f) if "eval_acceptance_length" in r]
+    assert evals and all(r["eval_temperature"] == 1.0 and r["eval_sampled_acceptance_length"] >= 1 for r in evals)
+    report = json.loads((tmp_path / "o" / "final" / "eval_acceptance.json").read_text())
+    assert report["lossless"] and report["sampled"]["temperature"] == 1.0 and report["sampled"]["lossless"] is None
+    assert len(report["acceptance_per_slot"]) == 3 and report["prompt_files"][0]["file"] == prompts
