@@ -804,7 +804,7 @@ def test_the_built_in_target_is_evaluated_on_mt_bench_whatever_it_trains_on(tmp_
         assert evaluation.heldout_prompts(args, None, 80) == [(c, t[:1]) for c, t in mtbench]
     mine = write_jsonl(tmp_path / "p.jsonl", [{"prompt": "hello there"}])
     assert evaluation.heldout_prompts(parser.parse_args(["--data", str(data), "--eval-data", str(mine)]), None, 5) == \
-        [("all", ["hello there"])]
+        [("p", ["hello there"])]  # no category: the file's name
     assert evaluation.heldout_prompts(parser.parse_args(["--target-model", "some/model", "--data", str(data)]), None, 5) == []
 
 
