@@ -32,9 +32,17 @@ def kv_layout(config):
 
 
 def check_batchable(config):
+    """ValueError naming what the batched decoder cannot compute exactly for this target:
+    sliding-window attention (per layer type, or a plain window on every layer), multi-head latent
+    attention (its KV cache is not keys and values per head)."""
     tc = text_config(config)
-    if "sliding_attention" in (getattr(tc, "layer_types", None) or []) or getattr(tc, "use_sliding_window", False):
-        raise ValueError(f"{type(tc).__name__} has sliding-window layers: the batched decoder does not handle them")
+    layer_types = getattr(tc, "layer_types", None) or []
+    if "sliding_attention" in layer_types or getattr(tc, "use_sliding_window", False) or \
+            (not layer_types and getattr(tc, "sliding_window", None) is not None):
+        raise ValueError(f"{type(tc).__name__} has sliding-window attention: the batched decoder does not apply it")
+    if getattr(tc, "kv_lora_rank", None):
+        raise ValueError(f"{type(tc).__name__} has multi-head latent attention: the batched decoder does not "
+                         "handle its KV cache")
 
 
 def cache_kwarg(model):

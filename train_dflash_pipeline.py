@@ -44,6 +44,7 @@ import torch
 import dflash_model as dm
 from chat_data import UsageError, load_corpus, parse_chat_template_kwargs, parse_data_fields, render_chat, \
     resolve_data_paths, special_token_ids
+from decoding import check_batchable
 from demo_assets import BUILTIN_DATA, BUILTIN_MODEL, BUILTIN_REGENERATED
 from evaluation import accepted_lengths_everywhere, evaluate_drafter_dir, evaluate_models, heldout_prompts, \
     heldout_prompts_file, replayed_over_answers
@@ -345,6 +346,20 @@ def target_config(name):
     return config
 
 
+def check_evaluation_can_run(flags, config):
+    """A run whose evaluations (final, --eval-interval) the batched decoder cannot compute for this
+    target is refused before it trains, naming why, rather than failing after its last step."""
+    evaluates = (flags.eval_prompts > 0 or flags.eval_interval > 0) and \
+        (flags.eval_data is not None or flags.target_model == BUILTIN_MODEL)
+    if not evaluates:
+        return
+    try:
+        check_batchable(config)
+    except ValueError as e:
+        raise UsageError(f"the final evaluation cannot run on this target ({e}); pass --eval-prompts 0 and "
+                         "--eval-interval 0 to train without it") from None
+
+
 def resolve_drafter_attention(choice, devices, tc, block_size):
     """The drafter's training attention: --drafter-attention's choice, auto resolved for the
     devices and shapes. On Hopper GPUs (where their settings were chosen) the Triton kernels make
@@ -380,7 +395,9 @@ def resolve_settings(flags):
     target_devices, drafter_devices = resolve_layout(flags)
     if flags.compile and any(d.type != "cuda" for d in drafter_devices):
         raise UsageError("--compile captures CUDA graphs and needs GPU drafter devices; drop it on CPU")
-    tc = dm.text_config(target_config(flags.target_model))
+    config = target_config(flags.target_model)
+    tc = dm.text_config(config)
+    check_evaluation_can_run(flags, config)
     try:
         layer_ids = ([int(x) for x in flags.target_layer_ids.split(",")] if flags.target_layer_ids
                      else dm.default_target_layer_ids(tc.num_hidden_layers, flags.num_draft_layers))
@@ -710,6 +727,18 @@ def stack_gate_up(model):
     return stacked
 
 
+def target_windows(tc):
+    """(which layers attend through a sliding window: None, "some" (per layer_types) or "every"
+    (a plain sliding_window, no layer types), the window) of a target's text config."""
+    layer_types = getattr(tc, "layer_types", None) or []
+    window = getattr(tc, "sliding_window", None)
+    if "sliding_attention" in layer_types:
+        return "some", window
+    if not layer_types and window is not None:
+        return "every", window
+    return None, None
+
+
 class TargetReplica:
     """A frozen target on one device. With --compile its fixed-shape forward is captured once
     as a CUDA graph, so the main thread issues a few calls per batch instead of thousands."""
@@ -718,9 +747,11 @@ class TargetReplica:
         self.model, self.target_layer_ids, self.device = model, target_layer_ids, device
         self.dtype = next(model.parameters()).dtype
         tc = dm.text_config(model.config)
-        # Targets with sliding-window layers (Gemma 3) take one mask per layer type.
-        sliding = "sliding_attention" in (getattr(tc, "layer_types", None) or [])
-        self.sliding_window = getattr(tc, "sliding_window", None) if sliding else None
+        # Sliding windows: targets with sliding-window layers among full ones (Gemma 3, Qwen2's
+        # use_sliding_window) take one mask per layer type; a plain `sliding_window` with no layer
+        # types (Mistral, Phi-3) windows every layer. A mask passed in replaces the model's own, so
+        # the window must be in it, or the features silently differ from the model's.
+        self.window_layers, self.sliding_window = target_windows(tc)
         # The flex BlockMask in the tiles of the kernel that reads it: a partly visible tile is
         # computed whole, so smaller tiles compute fewer masked pairs (10% fewer at Qwen3-8B's batch)
         options = target_flex_kernel_options(torch.device(device), dm.attention_shape(tc)[2])
@@ -757,9 +788,12 @@ class TargetReplica:
 
     def forward(self, input_ids, position_ids, doc_ids):
         """Concatenated outputs of the target layers the drafter reads (settings.target_layer_ids), [R, L, n*H]."""
-        mask = self.mask(doc_ids)
-        if self.sliding_window is not None:
-            mask = {"full_attention": mask, "sliding_attention": self.mask(doc_ids, self.sliding_window)}
+        if self.window_layers == "every":
+            mask = self.mask(doc_ids, self.sliding_window)
+        elif self.window_layers == "some":
+            mask = {"full_attention": self.mask(doc_ids), "sliding_attention": self.mask(doc_ids, self.sliding_window)}
+        else:
+            mask = self.mask(doc_ids)
         base = getattr(self.model, self.model.base_model_prefix)
         with collect_layer_outputs(self.model, self.target_layer_ids) as outs, self.use_attention:
             base(input_ids=input_ids, attention_mask=mask, position_ids=position_ids, use_cache=False)

@@ -616,3 +616,57 @@ def test_server_regeneration_keeps_reasoning_and_tool_calls_and_the_datas_tool_t
         "get_weather" and call["content"] == ""
     assert answer == {"role": "assistant", "content": "21 degrees.", "reasoning_content": "The tool said 21."}
     assert all(r["tools"] == [WEATHER] for r in requests) and requests[1]["messages"][3]["role"] == "tool"
+
+
+def tiny_windowed(arch, window=8):
+    """A tiny target whose every layer attends through a plain sliding window (no layer types:
+    Mistral, Phi-3), or Qwen2's use_sliding_window on its upper layers."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+    extra = dict(use_sliding_window=True, max_window_layers=2) if arch == "qwen2" else {}
+    cfg = AutoConfig.for_model(arch, vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                               num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                               sliding_window=window, pad_token_id=0, eos_token_id=1, bos_token_id=2, **extra)
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa").float().eval()
+
+
+@pytest.mark.parametrize("arch", ["mistral", "phi3", "qwen2"])
+@pytest.mark.parametrize("attention", ["dense", "flex"])
+def test_sliding_windows_of_every_kind_equal_the_transformers_forward(tmp_path, arch, attention):
+    """Windows of 8 tokens, documents of 20 and 31: the packed features equal the forward of each
+    document alone (the window in the stage's mask, where the model's own mask would have had
+    it); the batched decoder, which does not apply windows, refuses such a target."""
+    import decoding
+    target = tiny_windowed(arch)
+    target.save_pretrained(tmp_path / "t")
+    tiny_tokenizer().save_pretrained(tmp_path / "t")
+    layers = [0, 2]
+    (rep,), _, _ = tp.load_target_replicas(str(tmp_path / "t"), [torch.device("cpu")], layers, log=lambda *a: None,
+                                           target_attention=attention)
+    g = torch.Generator().manual_seed(0)
+    docs = [torch.randint(3, 100, (n,), generator=g) for n in (20, 31)]
+    batch = {"input_ids": torch.cat(docs)[None], "doc_ids": torch.cat([torch.full((len(d),), i)
+                                                                      for i, d in enumerate(docs)])[None],
+             "position_ids": torch.cat([torch.arange(len(d)) for d in docs])[None]}
+    packed, at = rep.target_hidden(batch), 0
+    for d in docs:
+        hs = target(d[None], output_hidden_states=True).hidden_states
+        torch.testing.assert_close(packed[0, at:at + len(d)], torch.cat([hs[i + 1] for i in layers], -1)[0],
+                                   rtol=1e-4, atol=1e-4)
+        at += len(d)
+    with pytest.raises(ValueError, match="sliding-window attention"):
+        decoding.check_batchable(target.config)
+
+
+def test_a_run_whose_evaluation_cannot_run_is_refused_before_it_trains(tmp_path, capsys):
+    target = tiny_windowed("mistral")
+    target.save_pretrained(tmp_path / "t")
+    tiny_tokenizer().save_pretrained(tmp_path / "t")
+    data = write_jsonl(tmp_path / "d.jsonl", [{"messages": [{"role": "user", "content": "q"},
+                                                             {"role": "assistant", "content": "an answer"}]}])
+    prompts = write_jsonl(tmp_path / "p.jsonl", [{"prompt": "hello"}])
+    argv = ["--target-model", str(tmp_path / "t"), "--data", data, "--output-dir", str(tmp_path / "o"),
+            "--eval-data", prompts, "--max-steps", "1"]
+    assert tp.main(argv) == 2
+    assert "the final evaluation cannot run on this target" in capsys.readouterr().err
+    assert not os.path.exists(tmp_path / "o" / "metrics.jsonl")
