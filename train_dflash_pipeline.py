@@ -323,6 +323,19 @@ def resolve_layout(flags):
     return targets, drafters
 
 
+def unsupported_target_features(tc):
+    """What a target's attention does that the target stage's masks and kernels do not compute
+    (so its hidden states would differ from the model's): named, for a refusal at start-up."""
+    out = []
+    if getattr(tc, "attn_logit_softcapping", None):
+        out.append("attention logit soft-capping (Gemma 2)")
+    if tc.model_type == "gpt_oss":
+        out.append("attention sinks (gpt-oss)")
+    if "linear_attention" in (getattr(tc, "layer_types", None) or []):
+        out.append("linear-attention layers, which cannot keep packed documents apart (Qwen3-Next)")
+    return out
+
+
 def check_target_config(config, name):
     from transformers import MODEL_FOR_CAUSAL_LM_MAPPING
     tc = dm.text_config(config)
@@ -330,6 +343,10 @@ def check_target_config(config, name):
         raise UsageError(f"--target-model {name} ({type(config).__name__}) is not a decoder-only causal LM")
     if not hasattr(tc, "num_hidden_layers") or not hasattr(tc, "hidden_size"):
         raise UsageError(f"--target-model {name}: config has no num_hidden_layers/hidden_size")
+    unsupported = unsupported_target_features(tc)
+    if unsupported:
+        raise UsageError(f"--target-model {name}: the target stage does not compute {'; '.join(unsupported)}: its "
+                         "hidden states would not be the model's, so this target is refused")
 
 
 def target_config(name):

@@ -670,3 +670,15 @@ def test_a_run_whose_evaluation_cannot_run_is_refused_before_it_trains(tmp_path,
     assert tp.main(argv) == 2
     assert "the final evaluation cannot run on this target" in capsys.readouterr().err
     assert not os.path.exists(tmp_path / "o" / "metrics.jsonl")
+
+
+@pytest.mark.parametrize("arch,named", [("gemma2", "soft-capping"), ("gpt_oss", "attention sinks"),
+                                        ("qwen3_next", "linear-attention")])
+def test_targets_whose_attention_the_stage_does_not_compute_are_refused_by_name(tmp_path, arch, named):
+    from transformers import AutoConfig
+    config = AutoConfig.for_model(arch, vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                                  num_attention_heads=4, num_key_value_heads=2)
+    config.save_pretrained(tmp_path / "t")
+    flags = tp.build_parser().parse_args(["--target-model", str(tmp_path / "t"), "--data", "x.jsonl"])
+    with pytest.raises(chat_data.UsageError, match=named):
+        tp.resolve_settings(flags)
