@@ -343,29 +343,35 @@ def test_gemma_drafter_embeds_through_the_scaled_embedding():
     assert "embed_tokens.weight" not in drafter.state_dict()
 
 
-@pytest.mark.parametrize("attention,lengths", [("dense", (20, 9)), ("flex", (20, 9)), ("flex", (150, 203, 60))])
-def test_gemma_target_stage_equals_the_transformers_forward(tmp_path, attention, lengths):
-    """Features of packed documents (target stage, document mask; sliding-window layers with
-    their own) equal the hidden states of the transformers forward of each document alone. The
-    flex path at 416 tokens: tiles of 128 that are fully visible, partly and not at all."""
-    target = tiny_gemma3()
-    target.save_pretrained(tmp_path / "g")
-    tiny_tokenizer().save_pretrained(tmp_path / "g")
-    layers = [1, 3]
-    (rep,), embed, _ = tp.load_target_replicas(str(tmp_path / "g"), [torch.device("cpu")], layers, log=lambda *a: None,
+def assert_stage_equals_forward(tmp_path, target, layers, attention, lengths, padding=0, low=0):
+    """The target stage's hidden states of random documents of `lengths` packed in one row (and
+    `padding` tokens after them) equal the transformers forward of each document alone; returns
+    the stage's embedding module."""
+    target.save_pretrained(tmp_path / "t")
+    tiny_tokenizer().save_pretrained(tmp_path / "t")
+    (rep,), embed, _ = tp.load_target_replicas(str(tmp_path / "t"), [torch.device("cpu")], layers, log=lambda *a: None,
                                                target_attention=attention)
     g = torch.Generator().manual_seed(0)
-    docs = [torch.randint(0, 100, (n,), generator=g) for n in lengths]
-    batch = {"input_ids": torch.cat(docs + [torch.zeros(3, dtype=torch.long)])[None],
-             "doc_ids": torch.cat([torch.full((len(d),), i) for i, d in enumerate(docs)] + [torch.full((3,), -1)])[None],
-             "position_ids": torch.cat([torch.arange(len(d)) for d in docs] + [torch.zeros(3, dtype=torch.long)])[None]}
-    packed = rep.target_hidden(batch)
-    at = 0
+    docs = [torch.randint(low, 100, (n,), generator=g) for n in lengths]
+    pad = torch.zeros(padding, dtype=torch.long)
+    batch = {"input_ids": torch.cat(docs + [pad])[None],
+             "doc_ids": torch.cat([torch.full((len(d),), i) for i, d in enumerate(docs)] + [pad - 1])[None],
+             "position_ids": torch.cat([torch.arange(len(d)) for d in docs] + [pad])[None]}
+    packed, at = rep.target_hidden(batch), 0
     for d in docs:
         hs = target(d[None], output_hidden_states=True).hidden_states
         torch.testing.assert_close(packed[0, at:at + len(d)], torch.cat([hs[i + 1] for i in layers], -1)[0],
                                    rtol=1e-4, atol=1e-4)
         at += len(d)
+    return embed
+
+
+@pytest.mark.parametrize("attention,lengths", [("dense", (20, 9)), ("flex", (20, 9)), ("flex", (150, 203, 60))])
+def test_gemma_target_stage_equals_the_transformers_forward(tmp_path, attention, lengths):
+    """Features of packed documents (target stage, document mask; sliding-window layers with
+    their own) equal the hidden states of the transformers forward of each document alone. The
+    flex path at 416 tokens: tiles of 128 that are fully visible, partly and not at all."""
+    embed = assert_stage_equals_forward(tmp_path, tiny_gemma3(), [1, 3], attention, lengths, padding=3)
     assert embed(torch.tensor([3])).abs().sum() > 0
 
 
@@ -638,22 +644,7 @@ def test_sliding_windows_of_every_kind_equal_the_transformers_forward(tmp_path, 
     it); the batched decoder, which does not apply windows, refuses such a target."""
     import decoding
     target = tiny_windowed(arch)
-    target.save_pretrained(tmp_path / "t")
-    tiny_tokenizer().save_pretrained(tmp_path / "t")
-    layers = [0, 2]
-    (rep,), _, _ = tp.load_target_replicas(str(tmp_path / "t"), [torch.device("cpu")], layers, log=lambda *a: None,
-                                           target_attention=attention)
-    g = torch.Generator().manual_seed(0)
-    docs = [torch.randint(3, 100, (n,), generator=g) for n in (20, 31)]
-    batch = {"input_ids": torch.cat(docs)[None], "doc_ids": torch.cat([torch.full((len(d),), i)
-                                                                      for i, d in enumerate(docs)])[None],
-             "position_ids": torch.cat([torch.arange(len(d)) for d in docs])[None]}
-    packed, at = rep.target_hidden(batch), 0
-    for d in docs:
-        hs = target(d[None], output_hidden_states=True).hidden_states
-        torch.testing.assert_close(packed[0, at:at + len(d)], torch.cat([hs[i + 1] for i in layers], -1)[0],
-                                   rtol=1e-4, atol=1e-4)
-        at += len(d)
+    assert_stage_equals_forward(tmp_path, target, [0, 2], attention, (20, 31), low=3)
     with pytest.raises(ValueError, match="sliding-window attention"):
         decoding.check_batchable(target.config)
 
