@@ -36,7 +36,6 @@ import time
 import traceback
 import uuid
 import collections
-from collections import Counter
 
 import numpy as np
 import torch
@@ -46,8 +45,8 @@ from chat_data import UsageError, load_corpus, parse_chat_template_kwargs, parse
     resolve_data_paths, special_token_ids
 from decoding import check_batchable
 from demo_assets import BUILTIN_DATA, BUILTIN_MODEL, BUILTIN_REGENERATED
-from evaluation import accepted_lengths_everywhere, evaluate_drafter_dir, evaluate_models, heldout_prompts, \
-    heldout_prompts_file, replayed_over_answers
+from evaluation import accepted_lengths_everywhere, drafter_target_mismatches, evaluate_drafter_dir, evaluate_models, \
+    heldout_prompts, heldout_prompts_file, replayed_over_answers
 from flat_adamw import FlatAdamW, GradInto, WeightGradsIntoBuffer, flat_views
 from plots import write_plots
 from regeneration import regenerated_builtin_data
@@ -231,11 +230,17 @@ class Settings(argparse.Namespace):
         machine and target would give are not looked up): for building one stage alone."""
         flags = build_parser().parse_args(argv)
         check_flags(flags)
-        return cls(**vars(flags)).replace(
-            token_budget=rounded_token_budget(flags, quiet=True), rows_per_batch=flags.token_budget // flags.max_length,
-            chat_template_kwargs=parse_chat_template_kwargs(flags.chat_template_kwargs),
-            data_fields=parse_data_fields(flags.data_fields),
-            loss_decay_gamma=flags.loss_decay_gamma or dm.default_loss_gamma(flags.block_size), **resolved)
+        return cls(**vars(flags)).replace(**derived_from_flags(flags, quiet=True), **resolved)
+
+
+def derived_from_flags(flags, quiet=False):
+    """The values resolved from the flags alone: the rounded token budget, rows per batch, the
+    chat-template options and data field names parsed, the loss gamma."""
+    budget = rounded_token_budget(flags, quiet)
+    return dict(token_budget=budget, rows_per_batch=budget // flags.max_length,
+                chat_template_kwargs=parse_chat_template_kwargs(flags.chat_template_kwargs),
+                data_fields=parse_data_fields(flags.data_fields),
+                loss_decay_gamma=flags.loss_decay_gamma or dm.default_loss_gamma(flags.block_size))
 
 
 def check_flags(flags):
@@ -424,15 +429,16 @@ def resolve_settings(flags):
     except ValueError as e:
         raise UsageError(f"--target-layer-ids {flags.target_layer_ids}: {e}") from None
     target_attention, compile_target = resolve_target_stage(flags, target_devices)
-    budget = rounded_token_budget(flags)
     return Settings(**vars(flags)).replace(
-        token_budget=budget, rows_per_batch=budget // flags.max_length,
-        chat_template_kwargs=parse_chat_template_kwargs(flags.chat_template_kwargs),
-        data_fields=parse_data_fields(flags.data_fields), target_devices=target_devices,
-        drafter_devices=drafter_devices, target_layer_ids=layer_ids,
-        loss_decay_gamma=flags.loss_decay_gamma or dm.default_loss_gamma(flags.block_size),
+        **derived_from_flags(flags), target_devices=target_devices, drafter_devices=drafter_devices,
+        target_layer_ids=layer_ids,
         drafter_attention=resolve_drafter_attention(flags.drafter_attention, drafter_devices, tc, flags.block_size),
         target_attention=target_attention, compile_target=compile_target, data_files=None)
+
+
+def cuda_devices(settings):
+    """The run's GPUs, target and drafter, each once."""
+    return sorted({d for d in settings.target_devices + settings.drafter_devices if d.type == "cuda"}, key=str)
 
 
 def check_init_drafter(settings, target_config):
@@ -441,8 +447,7 @@ def check_init_drafter(settings, target_config):
     (with the flags that would match it), before any model loads."""
     config = dm.DFlashDraftModel.read_config(settings.init_drafter)
     dflash = config.dflash_config
-    wrong = [f"{name} {getattr(config, name)} (the target's: {getattr(target_config, name)})"
-             for name in ("hidden_size", "vocab_size") if getattr(config, name) != getattr(target_config, name)]
+    wrong = drafter_target_mismatches(config, target_config)
     for name, theirs, ours, flag in (
             ("num_draft_layers", config.num_hidden_layers, settings.num_draft_layers, "--num-draft-layers"),
             ("block_size", config.block_size, settings.block_size, "--block-size"),
@@ -594,7 +599,7 @@ def split_validation(corpus, fraction, seed):
         ids, mask = corpus.doc(i)
         first = int(np.argmax(mask > 0)) if mask.any() else len(ids)
         key.append(hashlib.sha1((ids[:first] if first else ids).tobytes()).digest())  # no prompt: the whole text
-    docs_of = Counter(key)
+    docs_of = collections.Counter(key)
     salt = f"{seed}:validation".encode()
     chosen, count = set(), 0
     for prompt in sorted(docs_of, key=lambda p: hashlib.sha1(salt + p).digest()):
@@ -1415,6 +1420,11 @@ class RunPlan:
     # removes only this run's checkpoints.
     run_id: str = dataclasses.field(default_factory=lambda: uuid.uuid4().hex[:12])
 
+    @classmethod
+    def resumed(cls, *fields, run_id=None):
+        """A plan continuing a checkpoint's run: its run id (checkpoints without one: a new id)."""
+        return cls(*fields, **({"run_id": run_id} if run_id else {}))
+
     @property
     def total_steps(self):
         return self.start_step + max(0, math.ceil((self.schedule["total_batches"] - self.start_cursor)
@@ -1586,7 +1596,6 @@ def plan_run(settings, defining, batches, num_workers, state, log):
     schedule, flags = planned_schedule(settings, batches.batches_per_epoch, num_workers), length_flags(settings)
     if state is None:
         return RunPlan(0, 0, num_workers, schedule, defining, flags)
-    run_id = state.get("run_id") or uuid.uuid4().hex[:12]  # checkpoints from before run ids: a new one
     old = state.get("settings")
     if old is None:
         log("resume: the checkpoint predates recorded settings; they are not checked")
@@ -1615,7 +1624,8 @@ def plan_run(settings, defining, batches, num_workers, state, log):
     if state.get("num_workers", num_workers) != num_workers:
         log(f"resume: {num_workers} drafter workers now, {state['num_workers']} when the checkpoint was made: "
             f"continuing from batch {cursor} with the same schedule")
-    return RunPlan(state["step"], cursor, num_workers, schedule, defining, flags, state.get("elapsed_s", 0.0), run_id)
+    return RunPlan.resumed(state["step"], cursor, num_workers, schedule, defining, flags, state.get("elapsed_s", 0.0),
+                           run_id=state.get("run_id"))
 
 
 def length_flags(settings):
@@ -1832,17 +1842,19 @@ class HeldOut:
             self.target = load_full_target(self.settings.target_model, dev)
         return self.target
 
-    def evaluate(self, drafter_in, step, tau_hat, val_replayed=None):
+    def evaluate(self, drafter, step, tau_hat, val_replayed=None):
         """The real acceptance length of the current drafter (lossless speculative decoding on
         held-out prompts) next to the training estimate tau_hat of the last log interval, the
         teacher-forced figures on the target's own answers to those prompts, and the validation's
         replay (all answers, first answers) just before."""
         target = self.full_target()
         dev = next(target.parameters()).device
-        drafter = copy.deepcopy(drafter_in).to(dev).eval().attach_target(target)
-        report = evaluate_models(target, self.tokenizer, drafter, self.prompts, dev, self.settings.eval_max_new_tokens,
-                                 lambda m: None, self.settings.chat_template_kwargs, show_progress=False)
-        del drafter
+        drafter = copy.deepcopy(drafter).to(dev).eval().attach_target(target)
+        s = self.settings
+        measure = lambda temperature: evaluate_models(  # noqa: E731
+            target, self.tokenizer, drafter, self.prompts, dev, s.eval_max_new_tokens, lambda m: None,
+            s.chat_template_kwargs, show_progress=False, temperature=temperature, seed=s.seed)
+        report = measure(0.0)
         measured = report["acceptance_length"]
         tf = report["teacher_forced_tau_hat"]
         rel = lambda x: f"{(x - measured) / measured:+.1%}"
@@ -1854,14 +1866,9 @@ class HeldOut:
                     "answers {:.3f})".format(*val_replayed)))
         rec = {"step": step, "eval_acceptance_length": measured, "tau_hat": tau_hat, "teacher_forced_tau_hat": tf,
                "eval_lossless": report["lossless"], "eval_acceptance_per_slot": report["acceptance_per_slot"]}
-        t = self.settings.eval_temperature
+        t = s.eval_temperature
         if t > 0:
-            drafter = copy.deepcopy(drafter_in).to(dev).eval().attach_target(target)
-            sampled = evaluate_models(target, self.tokenizer, drafter, self.prompts, dev,
-                                      self.settings.eval_max_new_tokens, lambda m: None,
-                                      self.settings.chat_template_kwargs, show_progress=False, temperature=t,
-                                      seed=self.settings.seed)
-            del drafter
+            sampled = measure(t)
             self.log(f"eval step {step} at temperature {t:g}: acceptance length {sampled['acceptance_length']:.3f} "
                      f"(prompt lookup {sampled['prompt_lookup_acceptance_length']:.3f}); per slot "
                      f"{sampled['acceptance_per_slot']}")
@@ -1885,8 +1892,7 @@ class Run:
         self.settings, self.plan, self.batches, self.log, self.held_out = settings, plan, batches, log, held_out
         self.cluster = cluster or Cluster()
         self.start_step, self.total_steps = plan.start_step, plan.total_steps
-        self.cuda_devices = sorted({d for d in settings.target_devices + settings.drafter_devices if d.type == "cuda"},
-                                   key=str)
+        self.cuda_devices = cuda_devices(settings)
         self.stop = threading.Event()
         self.stop_asked = False  # a signal arrived here; over several machines the workers agree on when
         self.interrupted = False  # feeding stops at a step boundary and the run ends with a save
@@ -2260,8 +2266,7 @@ class Trainer:
         prompts = heldout_prompts(s, self.tokenizer, s.eval_prompts) if s.eval_interval and main else []
         if s.eval_interval and main and not prompts:
             self.log("eval: --eval-interval needs held-out prompts (--eval-data); none, so no evaluation")
-        cuda = sorted({d for d in s.target_devices + s.drafter_devices if d.type == "cuda"}, key=str)
-        held_out = HeldOut(s, self.validation if main else [], self.tokenizer, prompts, cuda, self.log)
+        held_out = HeldOut(s, self.validation if main else [], self.tokenizer, prompts, cuda_devices(s), self.log)
         self.run = Run(s, self.plan, self.batches, self.drafters, self.log, held_out, self.cluster)
         return run_pipeline(self.run, self.replicas, self.resumed[2]["optimizer"] if self.resumed else None,
                             show_progress)
