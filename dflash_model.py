@@ -17,6 +17,7 @@ import functools
 import json
 import math
 import os
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
@@ -929,23 +930,65 @@ def head_ce_chunk_fn(device, compile_chunk):
     return compiled(_head_ce_chunk) if compile_chunk else _head_ce_chunk
 
 
+# Distillation: the target's next-token distribution p arrives as its top-k (ids, probabilities)
+# with the rest of its mass r = 1 - sum(p) as one bucket, the drafter's q is its softmax, and the
+# loss is KL(p || q) over the k tokens and the bucket:
+#     sum_i p_i log(p_i / q_i) + r log(r / q_rest),   q_rest = the drafter's mass outside the k.
+# With k = the vocabulary it is the exact KL; with p one-hot on the label it is the cross-entropy.
+# d KL / d logit_j = q_j - p_j (j among the k), q_j - r q_j / q_rest (else): bounded, since
+# q_j / q_rest sums to 1 outside the k. kl_weight w mixes it with the cross-entropy on the
+# data's token: (1 - w) ce + w kl.
+
+def _head_distill_chunk(hidden, weight, labels, top_ids, top_probs, kl_weight, with_grad):
+    """_head_ce_chunk's contract for the loss (1 - kl_weight) ce + kl_weight KL(p || q), p given
+    as top_ids, top_probs [N, k] and the rest of its mass."""
+    logits = _upcast(hidden @ weight.t())
+    lse = torch.logsumexp(logits, -1, keepdim=True)
+    ce = (lse - logits.gather(1, labels[:, None])).squeeze(1)
+    correct = logits.argmax(-1) == labels
+    p = top_probs.to(logits.dtype)
+    rest = (1.0 - p.sum(-1, keepdim=True)).clamp(min=0.0)
+    outside = logits.scatter(1, top_ids, float("-inf"))  # the drafter's logits outside the k
+    lse_rest = torch.logsumexp(outside, -1, keepdim=True)
+    has_rest = (rest > 0) & (lse_rest > float("-inf"))  # k = the vocabulary: no bucket, whatever rounding left
+    soft_ce = -(p * (logits.gather(1, top_ids) - lse)).sum(-1, keepdim=True) \
+        - torch.where(has_rest, rest * (lse_rest - lse), 0.0)
+    entropy = -torch.xlogy(p, p).sum(-1, keepdim=True) - torch.xlogy(rest, rest)
+    kl = (soft_ce - entropy).squeeze(1)
+    loss = (1.0 - kl_weight) * ce + kl_weight * kl
+    if not with_grad:
+        return loss, correct, None
+    dlogits = torch.exp(logits - lse) - kl_weight * torch.where(has_rest, rest * torch.exp(outside - lse_rest), 0.0)
+    dlogits = dlogits.scatter_add(1, top_ids, -kl_weight * p)
+    dlogits = dlogits.scatter_add(1, labels[:, None], torch.full_like(p[:, :1], kl_weight - 1.0))
+    return loss, correct, dlogits.to(weight.dtype) @ weight
+
+
 # A custom op, so that torch.compile sees one opaque call: traced, the loop over chunks unrolled
 # into the step, and compile time grew with the chunk count (53 chunks: still compiling after
 # 200 s on an H200). Inside a compiled step each chunk runs one compiled kernel
 # set instead (compile_chunk), built once per chunk shape.
 @torch.library.custom_op("dflash::lm_head_ce", mutates_args=())
 def _lm_head_ce(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, chunk_size: int,
-                with_grad: bool, compile_chunk: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    chunk = head_ce_chunk_fn(hidden.device, compile_chunk)
-    out = [chunk(hidden[s:s + chunk_size], weight, labels[s:s + chunk_size], with_grad)
-           for s in range(0, hidden.shape[0], chunk_size)]
-    ce, correct = torch.cat([o[0] for o in out]), torch.cat([o[1] for o in out])
-    dce_dhidden = torch.cat([o[2] for o in out]) if with_grad else hidden.new_empty(0)
-    return ce, correct, dce_dhidden
+                with_grad: bool, compile_chunk: bool, top_ids: Optional[torch.Tensor] = None,
+                top_probs: Optional[torch.Tensor] = None,
+                kl_weight: float = 0.0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    if top_ids is None:
+        chunk = head_ce_chunk_fn(hidden.device, compile_chunk)
+        parts = [chunk(hidden[s:s + chunk_size], weight, labels[s:s + chunk_size], with_grad)
+                 for s in range(0, hidden.shape[0], chunk_size)]
+    else:
+        chunk = compiled(_head_distill_chunk) if compile_chunk else _head_distill_chunk
+        parts = [chunk(hidden[s:s + chunk_size], weight, labels[s:s + chunk_size], top_ids[s:s + chunk_size],
+                       top_probs[s:s + chunk_size], kl_weight, with_grad)
+                 for s in range(0, hidden.shape[0], chunk_size)]
+    loss, correct = torch.cat([o[0] for o in parts]), torch.cat([o[1] for o in parts])
+    dloss_dhidden = torch.cat([o[2] for o in parts]) if with_grad else hidden.new_empty(0)
+    return loss, correct, dloss_dhidden
 
 
 @_lm_head_ce.register_fake
-def _(hidden, weight, labels, chunk_size, with_grad, compile_chunk):
+def _(hidden, weight, labels, chunk_size, with_grad, compile_chunk, top_ids=None, top_probs=None, kl_weight=0.0):
     n = hidden.shape[0]
     return (hidden.new_empty(n, dtype=torch.promote_types(weight.dtype, torch.float32)),
             hidden.new_empty(n, dtype=torch.bool),
@@ -957,25 +1000,29 @@ def _lm_head_ce_setup(ctx, inputs, output):
     ctx.save_for_backward(output[2])
 
 
-def _lm_head_ce_backward(ctx, grad_ce, grad_correct, grad_dce_dhidden):
+def _lm_head_ce_backward(ctx, grad_loss, grad_correct, grad_dloss_dhidden):
     if not ctx.with_grad:
         raise RuntimeError("lm_head_ce was called with with_grad=False")
-    (dce_dhidden,) = ctx.saved_tensors
-    grad = _upcast(dce_dhidden) * _upcast(grad_ce)[:, None]
-    return grad.to(dce_dhidden.dtype), None, None, None, None, None
+    (dloss_dhidden,) = ctx.saved_tensors
+    grad = _upcast(dloss_dhidden) * _upcast(grad_loss)[:, None]
+    return (grad.to(dloss_dhidden.dtype),) + (None,) * 8
 
 
 _lm_head_ce.register_autograd(_lm_head_ce_backward, setup_context=_lm_head_ce_setup)
 
 
-def lm_head_ce(hidden, weight, labels, chunk_size, with_grad=True):
+def lm_head_ce(hidden, weight, labels, chunk_size, with_grad=True, distribution=None, kl_weight=0.0):
     """Per-position cross-entropy of the frozen LM head and whether its argmax is the label;
-    differentiable in hidden when with_grad. hidden enters the op in the weight's dtype, as the
-    chunks' matmuls read it: in a compiled step the final norm then writes bf16, not fp32 that the
-    opaque op would cast chunk by chunk and whose gradient it would upcast and concatenate."""
-    ce, correct, _ = _lm_head_ce(hidden.to(weight.dtype), weight, labels, chunk_size, with_grad,
-                                 torch.compiler.is_compiling())
-    return ce, correct
+    differentiable in hidden when with_grad. With distribution = (top ids, top probabilities)
+    [N, k] of the target's next-token distribution, the loss is (1 - kl_weight) ce + kl_weight
+    KL(target || drafter) instead (_head_distill_chunk). hidden enters the op in the weight's
+    dtype, as the chunks' matmuls read it: in a compiled step the final norm then writes bf16, not
+    fp32 that the opaque op would cast chunk by chunk and whose gradient it would upcast and
+    concatenate."""
+    top_ids, top_probs = distribution if distribution is not None else (None, None)
+    loss, correct, _ = _lm_head_ce(hidden.to(weight.dtype), weight, labels, chunk_size, with_grad,
+                                   torch.compiler.is_compiling(), top_ids, top_probs, float(kl_weight))
+    return loss, correct
 
 
 # -----------------------------------------------------------------------------
@@ -1072,13 +1119,20 @@ class DFlashDraftModel(nn.Module):
     # --- training ---------------------------------------------------------------------------
 
     @staticmethod
+    def anchor_can_draft(loss_mask, doc_ids):
+        """[B, L]: whether a block anchored at each position has a trained token to draft (a + 1
+        in the loss mask and the same document, and a too)."""
+        ok = loss_mask.bool()
+        valid = torch.zeros_like(ok)
+        valid[:, :-1] = ok[:, :-1] & ok[:, 1:] & (doc_ids[:, :-1] == doc_ids[:, 1:])
+        return valid
+
+    @staticmethod
     def select_anchors(anchor_noise, loss_mask, doc_ids, num_anchors):
         """A fixed number of anchors per row among positions a with loss_mask[a] and
         loss_mask[a+1] in one document; extra draws when too few are valid get valid=False.
         Fixed shapes and no host sync: top-k of masked random scores, then sorted."""
-        ok = loss_mask.bool()
-        valid = torch.zeros_like(ok)
-        valid[:, :-1] = ok[:, :-1] & ok[:, 1:] & (doc_ids[:, :-1] == doc_ids[:, 1:])
+        valid = DFlashDraftModel.anchor_can_draft(loss_mask, doc_ids)
         scores = torch.where(valid, anchor_noise, torch.full_like(anchor_noise, -1.0))
         anchors = torch.sort(scores.topk(num_anchors, dim=1).indices, dim=1).values
         return anchors, valid.gather(1, anchors)
@@ -1100,33 +1154,51 @@ class DFlashDraftModel(nn.Module):
         return self.draft_hidden(input_ids.gather(1, anchors), block_pos.view(B, A * bs), ctx_kv, attend)
 
     def forward(self, target_hidden, input_ids, loss_mask, doc_ids, position_ids, anchor_noise,
-                num_anchors, gamma=None, ce_chunk_size=4096, attention="sdpa"):
+                target_top_ids=None, target_top_probs=None, *, num_anchors, gamma=None, kl_weight=0.0,
+                ce_chunk_size=4096, attention="sdpa"):
         """Training loss for one fixed-shape batch, plus a stats vector (see stats_to_metrics).
 
-        target_hidden [B, L, n*H]; input_ids, loss_mask, doc_ids, position_ids, anchor_noise [B, L].
+        target_hidden [B, L, n*H]; input_ids, loss_mask, doc_ids, position_ids, anchor_noise [B, L];
+        target_top_ids, target_top_probs [B, L, k]: the target's next-token distribution after each
+        position as its top k, for the loss (1 - kl_weight) ce + kl_weight KL (lm_head_ce).
         """
         bs = self.block_size
         gamma = gamma or default_loss_gamma(bs)
         anchors, anchor_valid = self.select_anchors(anchor_noise, loss_mask, doc_ids, num_anchors)
+        distribution = None if target_top_ids is None else (target_top_ids, target_top_probs)
         ce, correct, label_ok = self.block_predictions(target_hidden, input_ids, loss_mask, doc_ids, position_ids,
-                                                       anchors, anchor_valid, ce_chunk_size, attention)
+                                                       anchors, anchor_valid, ce_chunk_size, attention,
+                                                       distribution, kl_weight)
         slot = torch.arange(1, bs, device=anchors.device)
         weight = torch.exp(-(slot - 1).to(ce.dtype) / gamma) * label_ok
         loss = (weight * ce).sum() / weight.sum().clamp(min=1e-6)
         return loss, self.block_stats(loss, correct, label_ok, anchor_valid)
 
     def block_predictions(self, target_hidden, input_ids, loss_mask, doc_ids, position_ids, anchors, anchor_valid,
-                          ce_chunk_size=4096, attention="sdpa"):
-        """(cross-entropy, greedy draft correct, label counts) [B, A, bs - 1] for slots 1.. of the
-        blocks at anchors [B, A]."""
+                          ce_chunk_size=4096, attention="sdpa", distribution=None, kl_weight=0.0):
+        """(loss, greedy draft correct, label counts) [B, A, bs - 1] for slots 1.. of the blocks at
+        anchors [B, A]; the loss is the cross-entropy, or with distribution (the target's top ids
+        and probabilities [B, L, k]) mixed with the KL at kl_weight."""
         bs = self.block_size
         B, num_anchors = anchors.shape
         hidden = self.block_hidden(target_hidden, input_ids, doc_ids, position_ids, anchors, attention)
         labels, label_ok = self.block_labels(input_ids, loss_mask, doc_ids, anchors, anchor_valid)
+        if distribution is not None:
+            distribution = tuple(t.flatten(0, 2) for t in self.block_distribution(distribution, anchors))
         predicting = hidden.flatten(0, 2)
-        ce, correct = lm_head_ce(predicting, self.lm_head_weight, labels.reshape(-1), ce_chunk_size,
-                              torch.is_grad_enabled() and predicting.requires_grad)
-        return ce.view(B, num_anchors, bs - 1), correct.view(B, num_anchors, bs - 1), label_ok
+        loss, correct = lm_head_ce(predicting, self.lm_head_weight, labels.reshape(-1), ce_chunk_size,
+                                   torch.is_grad_enabled() and predicting.requires_grad, distribution, kl_weight)
+        return loss.view(B, num_anchors, bs - 1), correct.view(B, num_anchors, bs - 1), label_ok
+
+    def block_distribution(self, distribution, anchors):
+        """The target's top ids and probabilities after each position [B, L, k], for slots 1.. of the
+        blocks at anchors [B, A]: [B, A, bs - 1, k]. Slot k predicts token a + k, so it reads the
+        distribution after a + k - 1."""
+        B, A = anchors.shape
+        L, k = distribution[0].shape[1:]
+        after = (anchors[:, :, None] + torch.arange(self.block_size - 1, device=anchors.device)).clamp(max=L - 1)
+        return tuple(t.gather(1, after.view(B, -1, 1).expand(-1, -1, k)).view(B, A, self.block_size - 1, k)
+                     for t in (distribution[0].long(), distribution[1]))
 
     def block_labels(self, input_ids, loss_mask, doc_ids, anchors, anchor_valid):
         """(labels, whether each counts) [B, A, bs - 1]: slot k of the block at a predicts token
@@ -1166,6 +1238,24 @@ class DFlashDraftModel(nn.Module):
             tau[b, a] += hit.long()
             right_so_far[b, a] = hit
         return tau
+
+    @torch.no_grad()
+    def expected_accepted_lengths(self, target_hidden, input_ids, anchors, distribution, loss_mask, doc_ids,
+                                  position_ids, ce_chunk_size=4096, attention="sdpa"):
+        """Teacher-forced, sampled: the tokens speculative sampling is expected to gain at each
+        anchor [B, A], the target sampling from `distribution` (its top ids and probabilities after
+        each position [B, L, k], at the serving temperature): 1 + sum_k prod_{j <= k} p(draft_j),
+        p the target's probability of the drafter's proposal (its argmax) after the data's tokens.
+        Exact while the proposals are the data's tokens; a proposal outside the top k counts as
+        rejected."""
+        B, A = anchors.shape
+        hidden = self.block_hidden(target_hidden, input_ids, doc_ids, position_ids, anchors, attention)
+        _, label_ok = self.block_labels(input_ids, loss_mask, doc_ids, anchors, torch.ones_like(anchors).bool())
+        draft = torch.cat([(h.to(self.lm_head_weight.dtype) @ self.lm_head_weight.t()).argmax(-1)
+                           for h in hidden.flatten(0, 2).split(ce_chunk_size)]).view(B, A, -1, 1)
+        top_ids, top_probs = self.block_distribution(distribution, anchors)
+        accepted = torch.where(top_ids == draft, top_probs.float(), 0.0).sum(-1) * label_ok
+        return 1 + accepted.cumprod(-1).sum(-1)
 
     @staticmethod
     def block_stats(loss, correct, label_ok, anchor_valid):

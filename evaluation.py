@@ -161,15 +161,21 @@ def replayed_gains(tau_at, n):
 
 @torch.no_grad()
 def accepted_lengths_everywhere(drafter, target_hidden, input_ids, loss_mask, doc_ids, position_ids, num_anchors,
-                                ce_chunk_size=4096, attention="sdpa"):
+                                ce_chunk_size=4096, attention="sdpa", distribution=None):
     """The teacher-forced gain at every position of a batch [B, L], num_anchors blocks a row at a
-    time."""
+    time: greedy's, or with distribution (the target's top ids and probabilities at a temperature
+    [B, L, k]) the expected gain of speculative sampling (expected_accepted_lengths)."""
     L = input_ids.shape[1]
     taus = []
     for start in range(0, L, num_anchors):
         anchors = torch.arange(start, start + num_anchors, device=input_ids.device).clamp(max=L - 1)
-        taus.append(drafter.accepted_lengths(target_hidden, input_ids, anchors.repeat(input_ids.shape[0], 1), loss_mask,
-                                             doc_ids, position_ids, ce_chunk_size, attention))
+        anchors = anchors.repeat(input_ids.shape[0], 1)
+        if distribution is None:
+            taus.append(drafter.accepted_lengths(target_hidden, input_ids, anchors, loss_mask, doc_ids, position_ids,
+                                                 ce_chunk_size, attention))
+        else:
+            taus.append(drafter.expected_accepted_lengths(target_hidden, input_ids, anchors, distribution, loss_mask,
+                                                          doc_ids, position_ids, ce_chunk_size, attention))
     return torch.cat(taus, 1)[:, :L]
 
 

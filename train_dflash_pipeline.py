@@ -103,6 +103,16 @@ def build_parser():
       help="slot k's loss weight is exp(-(k - 1) / gamma); default: 7 for block 16, 5 for 10, 4 for 8 "
       "(the GPU demo: 3)")
     a("--ce-chunk-size", type=int, default=4096, help="draft positions per LM-head/CE chunk (bounds logits memory)")
+    a("--loss", choices=("ce", "kl", "mix"), default="ce",
+      help="the drafter's loss per block slot: ce (cross-entropy on the data's token), kl (KL divergence from the "
+      "target's own next-token distribution, which the target stage computes) or mix ((1 - w) ce + w kl, "
+      "w = --kl-weight)")
+    a("--kl-weight", type=float, default=0.5, help="--loss mix: the KL's share of the loss, in (0, 1)")
+    a("--distill-temperature", type=float, default=1.0,
+      help="--loss kl/mix: the temperature of the target distribution the drafter learns")
+    a("--distill-top-k", type=int, default=64,
+      help="--loss kl/mix: the target's distribution travels as its k most likely tokens and the rest of its mass "
+      "as one bucket (8 bytes per token each)")
     a("--seed", type=int, default=0)
     a("--log-interval", type=int, default=10)
     a("--save-interval", type=int, default=1000)
@@ -201,6 +211,8 @@ class Settings(argparse.Namespace):
       target_layer_ids   the target layers whose outputs the drafter reads, a list of ints (the flag's
                          list, or the default)
       loss_decay_gamma   a number (the flag, or the published value for the block size)
+      distillation       None (--loss ce), or {kl_weight, temperature, top_k}: the target's
+                         distribution the loss reads (--loss kl: kl_weight 1)
       drafter_attention  triton, flex or sdpa (auto resolved for the devices and shapes)
       target_attention   dense or flex (auto resolved)
       compile_target     a bool
@@ -235,12 +247,16 @@ class Settings(argparse.Namespace):
 
 def derived_from_flags(flags, quiet=False):
     """The values resolved from the flags alone: the rounded token budget, rows per batch, the
-    chat-template options and data field names parsed, the loss gamma."""
+    chat-template options and data field names parsed, the loss gamma and the distillation."""
     budget = rounded_token_budget(flags, quiet)
+    distillation = None if flags.loss == "ce" else dict(
+        kl_weight=1.0 if flags.loss == "kl" else flags.kl_weight, temperature=flags.distill_temperature,
+        top_k=flags.distill_top_k)
     return dict(token_budget=budget, rows_per_batch=budget // flags.max_length,
                 chat_template_kwargs=parse_chat_template_kwargs(flags.chat_template_kwargs),
                 data_fields=parse_data_fields(flags.data_fields),
-                loss_decay_gamma=flags.loss_decay_gamma or dm.default_loss_gamma(flags.block_size))
+                loss_decay_gamma=flags.loss_decay_gamma or dm.default_loss_gamma(flags.block_size),
+                distillation=distillation)
 
 
 def check_flags(flags):
@@ -261,6 +277,12 @@ def check_flags(flags):
         raise UsageError(f"--data-workers {flags.data_workers} must be 0 (one per CPU core) or more")
     if flags.eval_temperature < 0:
         raise UsageError(f"--eval-temperature {flags.eval_temperature} must be 0 (greedy alone) or more")
+    if flags.loss == "mix" and not 0 < flags.kl_weight < 1:
+        raise UsageError(f"--kl-weight {flags.kl_weight} must be in (0, 1) (--loss ce or kl for the ends)")
+    if flags.distill_temperature <= 0:
+        raise UsageError(f"--distill-temperature {flags.distill_temperature} must be positive")
+    if flags.distill_top_k < 1:
+        raise UsageError(f"--distill-top-k {flags.distill_top_k} must be at least 1")
     if not 0 < flags.decay_ratio <= 1:
         raise UsageError(f"--decay-ratio {flags.decay_ratio} must be in (0, 1]")
     # grad_clip 0 would scale every update to nothing
@@ -420,6 +442,9 @@ def resolve_settings(flags):
     config = target_config(flags.target_model)
     tc = dm.text_config(config)
     check_evaluation_can_run(flags, config)
+    if flags.loss != "ce" and flags.distill_top_k > tc.vocab_size:
+        raise UsageError(f"--distill-top-k {flags.distill_top_k} is larger than the target's vocabulary "
+                         f"({tc.vocab_size})")
     try:
         layer_ids = ([int(x) for x in flags.target_layer_ids.split(",")] if flags.target_layer_ids
                      else dm.default_target_layer_ids(tc.num_hidden_layers, flags.num_draft_layers))
@@ -761,12 +786,39 @@ def target_windows(tc):
     return None, None
 
 
+def next_token_top_k(last_hidden, lm_head, top_k, temperature, softcap=None, chunk_size=4096):
+    """The target's next-token distribution at a temperature after each position, as its top_k
+    most likely tokens: (ids int32, probabilities fp32) [R, L, top_k]. The LM head runs chunk_size
+    positions at a time (one chunk of logits in memory); softcap: the model's final logit
+    soft-capping (Gemma), applied as its forward does."""
+    flat = last_hidden.flatten(0, 1)
+    ids, probs = [], []
+    for start in range(0, flat.shape[0], chunk_size):
+        logits = lm_head(flat[start:start + chunk_size]).float()
+        if softcap:
+            logits = torch.tanh(logits / softcap) * softcap
+        logits = logits / temperature
+        top = logits.topk(top_k, dim=-1)
+        probs.append(torch.exp(top.values - torch.logsumexp(logits, -1, keepdim=True)))
+        ids.append(top.indices.int())
+    shape = (*last_hidden.shape[:2], top_k)
+    return torch.cat(ids).view(shape), torch.cat(probs).view(shape)
+
+
+DISTRIBUTION_KEYS = ("target_top_ids", "target_top_probs")  # what the target stage adds for --loss kl/mix
+
+
 class TargetReplica:
     """A frozen target on one device. With --compile its fixed-shape forward is captured once
-    as a CUDA graph, so the main thread issues a few calls per batch instead of thousands."""
+    as a CUDA graph, so the main thread issues a few calls per batch instead of thousands.
+    Its outputs: the features the drafter reads (target_hidden), and with a distillation (--loss
+    kl/mix) the target's next-token distribution as its top k (DISTRIBUTION_KEYS), from the LM
+    head inside the same forward and graph."""
 
-    def __init__(self, model, target_layer_ids, device, target_attention="dense", compile_layers=False):
+    def __init__(self, model, target_layer_ids, device, target_attention="dense", compile_layers=False,
+                 distillation=None, stack_mlps=True):
         self.model, self.target_layer_ids, self.device = model, target_layer_ids, device
+        self.distillation = distillation
         self.dtype = next(model.parameters()).dtype
         tc = dm.text_config(model.config)
         # Sliding windows: targets with sliding-window layers among full ones (Gemma 3, Qwen2's
@@ -780,7 +832,7 @@ class TargetReplica:
         self.mask_tile = dm.flex_mask_tile(options)
         self.own_attention = model.config._attn_implementation
         self.set_attention(target_attention)
-        self.stacked_mlps = stack_gate_up(model)
+        self.stacked_mlps = stack_gate_up(model) if stack_mlps else 0
         if compile_layers:
             self.set_compiled_layers(True)
         self.graph, self.static_in, self.static_out = None, None, None
@@ -809,7 +861,9 @@ class TargetReplica:
         return document_causal_mask(doc_ids, self.dtype, sliding_window)
 
     def forward(self, input_ids, position_ids, doc_ids):
-        """Concatenated outputs of the target layers the drafter reads (settings.target_layer_ids), [R, L, n*H]."""
+        """{target_hidden: the concatenated outputs of the target layers the drafter reads
+        (settings.target_layer_ids), [R, L, n*H]} and, with a distillation, the top-k
+        distribution after each position (next_token_top_k)."""
         if self.window_layers == "every":
             mask = self.mask(doc_ids, self.sliding_window)
         elif self.window_layers == "some":
@@ -818,18 +872,28 @@ class TargetReplica:
             mask = self.mask(doc_ids)
         base = getattr(self.model, self.model.base_model_prefix)
         with collect_layer_outputs(self.model, self.target_layer_ids) as outs, self.use_attention:
-            base(input_ids=input_ids, attention_mask=mask, position_ids=position_ids, use_cache=False)
-        return torch.cat(outs, dim=-1)
+            last = base(input_ids=input_ids, attention_mask=mask, position_ids=position_ids, use_cache=False)
+        out = {"target_hidden": torch.cat(outs, dim=-1)}
+        if self.distillation is not None:
+            d, tc = self.distillation, dm.text_config(self.model.config)
+            out.update(zip(DISTRIBUTION_KEYS, next_token_top_k(
+                last.last_hidden_state, self.model.get_output_embeddings(), d["top_k"], d["temperature"],
+                getattr(tc, "final_logit_softcapping", None))))
+        return out
 
     @torch.no_grad()
-    def target_hidden(self, batch):
-        """Features of a batch (a dict holding at least the forward's three inputs)."""
+    def outputs(self, batch):
+        """forward's outputs for a batch (a dict holding at least the forward's three inputs)."""
         if self.graph is None:
             return self.forward(**{k: batch[k].to(self.device, non_blocking=True) for k in TARGET_INPUTS})
         for k, buf in self.static_in.items():
             buf.copy_(batch[k], non_blocking=True)
         self.graph.replay()
         return self.static_out  # overwritten by the next replay: the caller copies it
+
+    def target_hidden(self, batch):
+        """The features alone of a batch."""
+        return self.outputs(batch)["target_hidden"]
 
     def synthetic_batch(self, rows, length):
         dev = self.device
@@ -914,26 +978,28 @@ def warm_up_target(replicas, settings, log):
             with COMPILE_LOCK:
                 r.capture(rows, settings.max_length)
         else:
-            r.target_hidden(r.synthetic_batch(rows, settings.max_length))
+            r.outputs(r.synthetic_batch(rows, settings.max_length))
 
     for r in replicas:
         error = budget_error("target stage", r.device, settings, lambda rows: warm(r, rows),
-                             lambda: r.target_hidden(r.synthetic_batch(1, settings.max_length)), r.drop_capture)
+                             lambda: r.outputs(r.synthetic_batch(1, settings.max_length)), r.drop_capture)
         if error:
             raise UsageError(error)
     if settings.compile:
         log(f"target: forward captured as a CUDA graph on {[str(r.device) for r in replicas]}")
 
 
-def load_target_replicas(name, devices, target_layer_ids, log=print, target_attention="dense", compile_layers=False):
-    """One frozen replica per target device, truncated after the deepest layer the drafter reads. Also
-    returns the target's embedding module and LM head weight (CPU copies) for the drafters."""
+def load_target_replicas(name, devices, target_layer_ids, log=print, target_attention="dense", compile_layers=False,
+                         distillation=None):
+    """One frozen replica per target device, truncated after the deepest layer the drafter reads
+    (whole, with a distillation: its distribution is the LM head's). Also returns the target's
+    embedding module and LM head weight (CPU copies) for the drafters."""
     from transformers import AutoModelForCausalLM
     dtype = torch.bfloat16 if devices[0].type == "cuda" else torch.float32
     model = AutoModelForCausalLM.from_pretrained(resolve_model_path(name), dtype=dtype, attn_implementation="sdpa")
     model.eval().requires_grad_(False)
     n_layers = len(decoder_layers(model))
-    keep = max(target_layer_ids) + 1
+    keep = n_layers if distillation is not None else max(target_layer_ids) + 1
     getattr(model, model.base_model_prefix).layers = decoder_layers(model)[:keep]
     # The drafters use the target's embedding and LM head; keep a CPU copy, drop the head here.
     embed = copy.deepcopy(model.get_input_embeddings())
@@ -941,10 +1007,13 @@ def load_target_replicas(name, devices, target_layer_ids, log=print, target_atte
     replicas = []
     for i, dev in enumerate(devices):
         replica = model if i == len(devices) - 1 else copy.deepcopy(model)
-        replicas.append(TargetReplica(replica.to(dev), target_layer_ids, dev, target_attention, compile_layers))
+        replicas.append(TargetReplica(replica.to(dev), target_layer_ids, dev, target_attention, compile_layers,
+                                      distillation))
     log(f"target: {type(model).__name__}, {sum(p.numel() for p in model.parameters()) / 1e9:.2f}B parameters; "
         f"running {keep} of {n_layers} layers on {[str(d) for d in devices]} in {dtype}; {target_attention} attention"
-        + (", layers compiled" if compile_layers else "") + f"; gate and up stacked in {replicas[0].stacked_mlps} MLPs")
+        + (", layers compiled" if compile_layers else "") + f"; gate and up stacked in {replicas[0].stacked_mlps} MLPs"
+        + ("" if distillation is None else "; the LM head's top-{top_k} at temperature {temperature:g} for the "
+           "distillation".format(**distillation)))
     return replicas, embed, head
 
 
@@ -955,6 +1024,12 @@ def load_target_replicas(name, devices, target_layer_ids, log=print, target_atte
 # one CUDA graph capture may be underway in a process: all of it happens under this lock.
 COMPILE_LOCK = threading.Lock()
 BATCH_KEYS = ("target_hidden", "input_ids", "loss_mask", "doc_ids", "position_ids")
+
+
+def step_input_keys(settings):
+    """The step's inputs in compute_loss's order: the batch's, the anchor noise (drawn by the
+    worker), and the target's distribution for a distillation."""
+    return BATCH_KEYS + ("anchor_noise",) + (DISTRIBUTION_KEYS if settings.distillation is not None else ())
 
 
 def compile_every_worker_or_fail():
@@ -978,6 +1053,7 @@ class DrafterWorker:
             rank, device, drafter, settings, averager, run
         # Rank among all the workers of all the machines: it picks this worker's anchors.
         self.global_rank = averager.cluster.rank * averager.num_workers + rank
+        self.input_keys = step_input_keys(settings)
         self.queue = queue.Queue(maxsize=settings.queue_depth)
         self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         params = list(drafter.parameters())
@@ -1022,24 +1098,28 @@ class DrafterWorker:
         return torch.autocast("cuda", dtype=torch.bfloat16, cache_enabled=False) if self.device.type == "cuda" \
             else contextlib.nullcontext()
 
-    def compute_loss(self, target_hidden, input_ids, loss_mask, doc_ids, position_ids, anchor_noise):
+    def compute_loss(self, target_hidden, input_ids, loss_mask, doc_ids, position_ids, anchor_noise,
+                     target_top_ids=None, target_top_probs=None):
         """The loss and stats; its backward writes the gradients into the flat buffer (GradInto)."""
         s = self.settings
         params = {name: GradInto.apply(p, into, bf16) for name, p, into, bf16 in self.grad_into}
+        kl_weight = s.distillation["kl_weight"] if s.distillation is not None else 0.0
         with self.autocast():
             return torch.func.functional_call(
-                self.drafter, params, (target_hidden, input_ids, loss_mask, doc_ids, position_ids, anchor_noise),
-                dict(num_anchors=s.num_anchors, gamma=s.loss_decay_gamma, ce_chunk_size=s.ce_chunk_size,
-                     attention=s.drafter_attention))
+                self.drafter, params, (target_hidden, input_ids, loss_mask, doc_ids, position_ids, anchor_noise,
+                                       target_top_ids, target_top_probs),
+                dict(num_anchors=s.num_anchors, gamma=s.loss_decay_gamma, kl_weight=kl_weight,
+                     ce_chunk_size=s.ce_chunk_size, attention=s.drafter_attention))
 
-    def accepted_lengths(self, *batch):
+    def accepted_lengths(self, *batch, distribution=None):
         s = self.settings
         # triton, flex: the step's own shape (no new kernels to compile); sdpa (CPU): fewer, larger
         # calls, each a dense mask of up to 4,096 block tokens over the batch's rows
         rows = batch[1].shape[0]
         chunk = s.num_anchors if s.drafter_attention != "sdpa" else max(s.num_anchors, 4096 // (s.block_size * rows))
         with self.autocast():
-            return accepted_lengths_everywhere(self.drafter, *batch, chunk, s.ce_chunk_size, s.drafter_attention)
+            return accepted_lengths_everywhere(self.drafter, *batch, chunk, s.ce_chunk_size, s.drafter_attention,
+                                               distribution)
 
     def forward_backward(self, inputs):
         loss, stats = self.loss_fn(*inputs)  # the backward overwrites every gradient: no zeroing
@@ -1078,15 +1158,16 @@ class DrafterWorker:
     def train_step(self, step, batch):
         self.set_lr(step)
         if self.graphs is None:
-            inputs = [batch[k] for k in BATCH_KEYS]
-            inputs.append(self.anchor_noise(step, torch.empty(batch["input_ids"].shape, device=self.device)))
-            loss, stats = self.forward_backward(inputs)
+            noise = self.anchor_noise(step, torch.empty(batch["input_ids"].shape, device=self.device))
+            loss, stats = self.forward_backward([noise if k == "anchor_noise" else batch[k] for k in self.input_keys])
             self.averager.average(self.rank, self.flat_grad)
             grad_norm = self.clip_and_update()
         else:
-            for k, buf in zip(BATCH_KEYS, self.static):
-                buf.copy_(batch[k], non_blocking=True)
-            self.anchor_noise(step, self.static[-1])
+            for k, buf in zip(self.input_keys, self.static):
+                if k == "anchor_noise":
+                    self.anchor_noise(step, buf)
+                else:
+                    buf.copy_(batch[k], non_blocking=True)
             self.graphs[0].replay()
             if len(self.graphs) > 1:
                 self.averager.average(self.rank, self.flat_grad)
@@ -1122,12 +1203,17 @@ class DrafterWorker:
         L, dev = self.settings.max_length, self.device
         g = torch.Generator(device=dev).manual_seed(1234 + self.rank)
         vocab = self.drafter.config.vocab_size
-        return [torch.randn(rows, L, target_hidden_size, device=dev, dtype=torch.bfloat16, generator=g),
-                torch.randint(0, vocab, (rows, L), device=dev, generator=g),
-                torch.ones(rows, L, device=dev),
-                torch.zeros(rows, L, dtype=torch.long, device=dev),
-                torch.arange(L, device=dev).repeat(rows, 1),
-                torch.rand(rows, L, device=dev, generator=g)]
+        inputs = [torch.randn(rows, L, target_hidden_size, device=dev, dtype=torch.bfloat16, generator=g),
+                  torch.randint(0, vocab, (rows, L), device=dev, generator=g),
+                  torch.ones(rows, L, device=dev),
+                  torch.zeros(rows, L, dtype=torch.long, device=dev),
+                  torch.arange(L, device=dev).repeat(rows, 1),
+                  torch.rand(rows, L, device=dev, generator=g)]
+        if self.settings.distillation is not None:  # k distinct ids, probabilities summing to less than 1
+            k = self.settings.distillation["top_k"]
+            ids = torch.rand(rows * L, vocab, device=dev, generator=g).topk(k, dim=-1).indices.int()
+            inputs += [ids.view(rows, L, k), torch.full((rows, L, k), 0.5 / k, device=dev)]
+        return inputs
 
     def capture(self, rows, target_hidden_size, warmup=3):
         """Compile, warm up, then capture the whole step. The warm-up runs with lr 0 and the
@@ -1402,7 +1488,7 @@ def planned_schedule(settings, batches_per_epoch, num_workers):
 # The worker count and the length of the run may change on resume (see plan_run).
 DEFINING_SETTINGS = ("target_model", "data_files", "data_fingerprint", "chat_template_kwargs", "token_budget",
                      "max_length", "num_anchors", "block_size", "num_draft_layers", "target_layer_ids", "mask_token_id",
-                     "seed", "training_documents")
+                     "seed", "training_documents", "distillation")
 
 
 @dataclasses.dataclass
@@ -1786,17 +1872,22 @@ class HeldOut:
     real acceptance length on held-out prompts (--eval-interval). `validation`: the rows
     (validation_batches), their target hidden states added once the target stage is up."""
 
+    # The validation rows' target distribution at --eval-temperature travels as its top k: a
+    # proposal outside them counts as rejected (a lower bound, by at most the rest of the mass).
+    SAMPLED_TOP_K = 64
+
     def __init__(self, settings, validation, tokenizer, prompts, cuda_devices, log):
         self.settings, self.validation, self.tokenizer, self.prompts = settings, validation, tokenizer, prompts
         self.cuda_devices, self.log = cuda_devices, log
         self.target = None  # the whole target, loaded on first use (full_target)
+        self.sampled = None  # per validation batch, the target's top-k at --eval-temperature (sampled_distributions)
 
-    def add_target_hidden(self, replica):
-        """Each validation batch's target hidden states, once (eager: a captured forward has the
-        training batch's shape)."""
+    def add_target_outputs(self, replica):
+        """Each validation batch's target outputs (hidden states; the distribution for a
+        distillation), once (eager: a captured forward has the training batch's shape)."""
         with torch.no_grad():
-            self.validation = [dict(batch, target_hidden=replica.forward(
-                **{k: batch[k].to(replica.device) for k in TARGET_INPUTS}).cpu()) for batch in self.validation]
+            self.validation = [dict(batch, **{k: v.cpu() for k, v in replica.forward(
+                **{k: batch[k].to(replica.device) for k in TARGET_INPUTS}).items()}) for batch in self.validation]
 
     @torch.no_grad()
     def validate(self, worker, step, tau_hat):
@@ -1805,12 +1896,16 @@ class HeldOut:
         replayed over their answers: tau_hat averages every position alike, while decoding
         starts each block where the last one failed, so it lands on the hard positions more often
         (on MT-Bench: tau_hat 4.04, replayed and measured 2.58-2.59; docs/recipe.md)."""
-        w, stats, answers = worker, 0, []
-        for batch in self.validation:
+        w, stats, answers, sampled = worker, 0, [], []
+        distributions = self.sampled_distributions() if self.settings.eval_temperature > 0 else None
+        for i, batch in enumerate(self.validation):
             inputs = [batch[key].to(w.device) for key in BATCH_KEYS]
-            _, st = w.compute_loss(*inputs, batch["anchor_noise"].to(w.device))
+            _, st = w.compute_loss(*[batch[key].to(w.device) for key in w.input_keys])
             stats = stats + st.float().cpu()
             taus_of_rows = w.accepted_lengths(*inputs).tolist()
+            if distributions is not None:
+                expected = w.accepted_lengths(*inputs, distribution=[t.to(w.device) for t in distributions[i]]).cpu()
+                sampled.append(expected[dm.DFlashDraftModel.anchor_can_draft(batch["loss_mask"], batch["doc_ids"])])
             for taus, loss_mask, doc_ids in zip(taus_of_rows, batch["loss_mask"], batch["doc_ids"]):
                 answers += replayed_over_answers(lambda p, end, taus=taus: taus[p], loss_mask, doc_ids)
         m = dm.stats_to_metrics(stats, len(self.validation))
@@ -1820,10 +1915,30 @@ class HeldOut:
         self.log(f"val step {step}: loss {m['loss']:.4f} acc {m['acc_mean']:.3f} tau_hat {m['tau_hat']:.3f}, "
                  f"decoding replayed {replayed:.3f} (first answers {first:.3f}) on "
                  f"{validation_row_count(self.validation)} held-out rows (training tau_hat {tau_hat:.3f})")
-        self.log.record({"step": step, "val_loss": m["loss"], "val_acc": m["acc_mean"], "val_acc_per_slot": m["acc"],
-                           "val_tau_hat": m["tau_hat"], "val_acceptance_length": replayed,
-                           "val_acceptance_length_first_answers": first})
+        rec = {"step": step, "val_loss": m["loss"], "val_acc": m["acc_mean"], "val_acc_per_slot": m["acc"],
+               "val_tau_hat": m["tau_hat"], "val_acceptance_length": replayed,
+               "val_acceptance_length_first_answers": first}
+        if sampled:
+            rec["val_sampled_tau_hat"] = torch.cat(sampled).float().mean().item()
+            self.log(f"val step {step} at temperature {self.settings.eval_temperature:g}: expected acceptance "
+                     f"(sampled tau_hat) {rec['val_sampled_tau_hat']:.3f}")
+        self.log.record(rec)
         return replayed, first
+
+    def sampled_distributions(self):
+        """Per validation batch, the whole target's next-token distribution at --eval-temperature
+        as its top SAMPLED_TOP_K (ids, probabilities), for the sampled tau_hat; computed once, by
+        the target that evaluates (full_target: the stage's replicas stop at the deepest layer the
+        drafter reads)."""
+        if self.sampled is None:
+            target = self.full_target()
+            at_eval_temperature = dict(top_k=self.SAMPLED_TOP_K, temperature=self.settings.eval_temperature)
+            stage = TargetReplica(target, [0], next(target.parameters()).device, stack_mlps=False,
+                                  distillation=at_eval_temperature)
+            with torch.no_grad():
+                self.sampled = [[stage.forward(**{k: batch[k].to(stage.device) for k in TARGET_INPUTS})[k].cpu()
+                                 for k in DISTRIBUTION_KEYS] for batch in self.validation]
+        return self.sampled
 
     def full_target(self):
         """The whole target for evaluations, loaded once, on the device with the most free memory
@@ -2079,11 +2194,12 @@ def feed(run, replicas):
                 # done (a target forward, say); from pinned memory it is queued like the rest
                 batch = {k: v.pin_memory() for k, v in batch.items()}
             run.target_clock.start(replica.device)
-            hidden = replica.target_hidden(batch)
+            outputs = replica.outputs(batch)
             run.target_clock.stop(replica.device)
             item = {k: v.to(w.device, non_blocking=True) for k, v in batch.items()}
-            # A graphed replica returns its static output, overwritten by the next replay: copy it.
-            item["target_hidden"] = hidden.to(w.device, non_blocking=True, copy=replica.graph is not None)
+            # A graphed replica returns its static outputs, overwritten by the next replay: copy them.
+            item.update({k: v.to(w.device, non_blocking=True, copy=replica.graph is not None)
+                         for k, v in outputs.items()})
             if w.device.type == "cuda":
                 item["ready"] = torch.cuda.Event()
                 item["ready"].record(torch.cuda.current_stream(w.device))
@@ -2118,7 +2234,7 @@ def run_pipeline(run, replicas, optimizer_state=None, show_progress=True):
         for w in run.workers:
             w.load_optimizer_state(optimizer_state)
     warm_up_target(replicas, settings, run.log)
-    run.held_out.add_target_hidden(replicas[0])
+    run.held_out.add_target_outputs(replicas[0])
 
     # SIGINT/SIGTERM stop feeding at a step boundary; the end of the run saves.
     def on_signal(signum):
@@ -2249,7 +2365,8 @@ class Trainer:
         """The target stage's replicas and the drafter replicas (a resumed run's weights loaded)."""
         s = self.settings
         self.replicas, embed, head = load_target_replicas(s.target_model, s.target_devices, s.target_layer_ids,
-                                                          self.log, s.target_attention, s.compile_target)
+                                                          self.log, s.target_attention, s.compile_target,
+                                                          s.distillation)
         self.drafters = build_drafters(s, self.target_config, embed, head, self.log)
         weights = self.resumed[1] if self.resumed is not None else None
         if s.init_drafter:

@@ -119,17 +119,20 @@ def make_settings(a, compile):
     argv = ["--max-length", str(a.max_length), "--token-budget", str(a.rows * a.max_length),
             "--num-anchors", str(a.anchors), "--block-size", str(a.block), "--num-draft-layers", str(a.draft_layers),
             "--ce-chunk-size", str(a.ce_chunk), "--log-interval", str(a.log_interval), "--save-interval", "1000000",
-            "--output-dir", a.output_dir, "--eval-prompts", "0", "--queue-depth", "2"]
+            "--output-dir", a.output_dir, "--eval-prompts", "0", "--queue-depth", "2", "--loss", a.loss,
+            "--distill-top-k", str(a.distill_top_k)]
     return tp.Settings.of_flags(argv + (["--compile"] if compile else []), drafter_attention=a.drafter_attention)
 
 
-def build_target(cfg, device, layer_ids, attention="dense"):
+def build_target(cfg, device, layer_ids, attention="dense", distillation=None):
     from transformers import AutoModelForCausalLM
     cfg = type(cfg)(**cfg.to_dict())
-    cfg.num_hidden_layers = max(layer_ids) + 1  # only the layers that are run are built
+    if distillation is None:
+        cfg.num_hidden_layers = max(layer_ids) + 1  # only the layers that are run are built
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16, attn_implementation="sdpa")
-    return tp.TargetReplica(model.eval().requires_grad_(False), layer_ids, torch.device(device), attention)
+    return tp.TargetReplica(model.eval().requires_grad_(False), layer_ids, torch.device(device), attention,
+                            distillation=distillation)
 
 
 def build_drafter(cfg, a, device, embed, head):
@@ -147,6 +150,8 @@ def fake_run(args, target_hidden_size):
 
 
 def synthetic_batch(a, vocab, device, seed=0, target_hidden_size=None):
+    """A packed batch of random tokens; with target_hidden_size, the target stage's outputs too
+    (features, and the top-k distribution for --loss kl/mix)."""
     g = torch.Generator().manual_seed(seed)
     R, L = a.rows, a.max_length
     doc = torch.zeros(R, L, dtype=torch.long)
@@ -159,6 +164,10 @@ def synthetic_batch(a, vocab, device, seed=0, target_hidden_size=None):
          "doc_ids": doc, "position_ids": pos}
     if target_hidden_size:
         b["target_hidden"] = torch.randn(R, L, target_hidden_size, generator=g).to(torch.bfloat16)
+    if target_hidden_size and a.loss != "ce":
+        k = a.distill_top_k
+        b["target_top_ids"] = torch.randint(0, vocab, (R, L, k), generator=g, dtype=torch.int32)
+        b["target_top_probs"] = torch.rand(R, L, k, generator=g).softmax(-1) * 0.9
     return {k: v.to(device) for k, v in b.items()}
 
 
@@ -702,6 +711,10 @@ def main():
     p.add_argument("--block", type=int, default=16)
     p.add_argument("--draft-layers", type=int, default=5)
     p.add_argument("--ce-chunk", type=int, default=4096)
+    p.add_argument("--loss", choices=("ce", "kl", "mix"), default="ce",
+                   help="the drafter's loss (train_dflash_pipeline.py --loss): kl/mix add the target's top-k "
+                   "distribution to each batch and run the whole target with its LM head")
+    p.add_argument("--distill-top-k", type=int, default=64)
     p.add_argument("--ce-kernel", choices=("triton", "torch"), default=dm.HEAD_CE_KERNEL,
                    help="the LM-head chunk's reductions on CUDA: the Triton kernel or inductor's (dm.HEAD_CE_KERNEL)")
     p.add_argument("--drafter-attention", choices=("auto", "flex", "triton"), default="auto",
@@ -784,14 +797,23 @@ def main():
            "drafter attention "
            f"{a.drafter_attention} {dm.BLOCK_ATTENTION_CONFIG}; target on {target_devs}, drafter on {drafter_devs}")
     report(f"FLOPs: {FORMULA}")
-    results = {"preset": a.preset, "rows": a.rows, "max_length": a.max_length}
-    t_flops = target_flops_per_token(cfg, max(layer_ids) + 1)
+    results = {"preset": a.preset, "rows": a.rows, "max_length": a.max_length, "loss": a.loss}
+    distillation = None if a.loss == "ce" else dict(top_k=a.distill_top_k, temperature=1.0)
+    t_flops = target_flops_per_token(cfg, max(layer_ids) + 1) if distillation is None else \
+        target_flops_per_token(cfg, cfg.num_hidden_layers) + 2 * cfg.hidden_size * cfg.vocab_size
     d_flops = drafter_flops_per_step(cfg, len(layer_ids), a.draft_layers, a.rows, a.max_length, a.anchors, a.block)
     tokens = a.rows * a.max_length
     report(f"target {t_flops / 1e9:.1f} GFLOP/token; drafter {d_flops / 1e12:.2f} TFLOP/step "
            f"({d_flops / tokens / 1e9:.1f} GFLOP per data token)")
+    features = tokens * target_hidden_size * 2
+    distribution = tokens * a.distill_top_k * 8  # int32 ids and fp32 probabilities
+    report(f"target stage -> drafter per batch: features {features / 2**20:,.0f} MiB" + (
+        "" if distillation is None else f", top-{a.distill_top_k} distribution {distribution / 2**20:,.0f} MiB "
+        f"(+{distribution / features:.1%})"))
 
-    replica = build_target(cfg, target_dev, layer_ids, a.target_attention)
+    # the target (on the step section's GPU too, when both share one) only where a section runs it
+    replica = build_target(cfg, target_dev, layer_ids, a.target_attention, distillation) \
+        if {"target", "beside", "pipeline"} - skip else None
     embed = (torch.randn(cfg.vocab_size, cfg.hidden_size, device=drafter_dev) * 0.02).to(torch.bfloat16)
     head = (torch.randn(cfg.vocab_size, cfg.hidden_size, device=drafter_dev) * 0.02).to(torch.bfloat16)
     dcfg = dm.make_drafter_config(cfg, cfg.vocab_size - 1, a.draft_layers, a.block)
@@ -820,7 +842,8 @@ def main():
             mfu = t_flops * tokens / t / PEAK_FLOPS
             report(f"  target {k}: {tokens / t:,.0f} tokens/s, MFU {mfu:.1%}"
                    + (share_at_clock(mfu, card) if k == "flex compiled graph" else ""))
-    replica.drop_capture()  # its static buffers and pool: the later sections capture their own
+    if replica is not None:
+        replica.drop_capture()  # its static buffers and pool: the later sections capture their own
     torch.cuda.empty_cache()
     if ({"beside", "scaling"} - skip) and graphed is None:
         graphed = drafter_worker(a, cfg, drafter_dev, embed, head, target_hidden_size, compile=True)
@@ -839,7 +862,8 @@ def main():
     torch.cuda.empty_cache()
     if "pipeline" not in skip:
         section("pipeline")
-        replicas = [replica] + [build_target(cfg, d, layer_ids, a.target_attention) for d in target_devs[1:]]
+        replicas = [replica] + [build_target(cfg, d, layer_ids, a.target_attention, distillation)
+                                for d in target_devs[1:]]
         pipe = {}
         for compile in (False, True):
             tok_s, rec = pipeline_throughput(a, cfg, replicas, drafter_devs, embed, head, compile, report)

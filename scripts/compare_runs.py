@@ -25,10 +25,13 @@ def summary(name, recs, final):
     fmt = lambda x: "-" if x is None else f"{x:.2f}"  # noqa: E731
     measured = " ".join(f"{r['eval_acceptance_length']:.2f}@{r['step']}" for r in evals) or "-"
     first_answers = last_val.get("val_acceptance_length_first_answers")
+    sampled = (final or {}).get("sampled") or {}
     return (f"{name:<24} {train[-1]['step'] if train else 0:>6} {fmt(last_val.get('val_tau_hat')):>8} "
             f"{fmt(last_val.get('val_acceptance_length')):>9} {fmt(first_answers):>9} {measured:>14} "
             f"{fmt(final and final['acceptance_length']):>6} "
-            f"{fmt(final and final['prompt_lookup_acceptance_length']):>7}")
+            f"{fmt(final and final['prompt_lookup_acceptance_length']):>7} "
+            f"{fmt(last_val.get('val_sampled_tau_hat')):>11} {fmt(sampled.get('acceptance_length')):>8} "
+            f"{fmt(sampled.get('prompt_lookup_acceptance_length')):>9}")
 
 
 def plot(runs, out, x="step"):
@@ -56,13 +59,16 @@ def plot(runs, out, x="step"):
         ax[0].plot([at(r) for r in vals], [r["val_tau_hat"] for r in vals], "-", color=colour, label=name)
         replayed = [r for r in vals if "val_acceptance_length" in r]
         ax[0].plot([at(r) for r in replayed], [r["val_acceptance_length"] for r in replayed], ":", color=colour)
+        sampled = [r for r in vals if "val_sampled_tau_hat" in r]
+        ax[0].plot([at(r) for r in sampled], [r["val_sampled_tau_hat"] for r in sampled], "--", color=colour)
         ax[1].plot([at(r) for r in train], [r["lr"] for r in train], color=colour, label=name)
         if measured:
             ax[2].plot(*zip(*measured), "o-", color=colour, label=name)
         if final is not None:
             ax[2].axhline(final["prompt_lookup_acceptance_length"], color=colour, ls="--", lw=0.8)
     xlabel = "step" if x == "step" else "minutes of training"
-    ax[0].set(title="held-out tau_hat (solid) and decoding replayed (dotted)", xlabel=xlabel)
+    ax[0].set(title="held-out tau_hat (solid), decoding replayed (dotted),\nsampled tau_hat at --eval-temperature "
+              "(dashed)", xlabel=xlabel)
     ax[1].set(title="learning rate", xlabel=xlabel)
     if measured_any:
         ax[2].set(title="measured acceptance length (dashed: prompt lookup)", xlabel=xlabel)
@@ -88,7 +94,7 @@ def main(argv=None):
             sys.exit(f"{d}: no metrics.jsonl (not a run directory?)")
         runs.append((os.path.basename(os.path.normpath(d)), *plots.run_records(d)))
     print(f"{'run':<24} {'steps':>6} {'val tau':>8} {'replayed':>9} {'first':>9} {'measured@step':>14} "
-          f"{'final':>6} {'lookup':>7}")
+          f"{'final':>6} {'lookup':>7} {'sampled tau':>11} {'final T':>8} {'lookup T':>9}")
     for name, recs, final in runs:
         print(summary(name, recs, final))
     if a.out:

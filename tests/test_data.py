@@ -321,11 +321,11 @@ def test_mask_token_smollm2_shaped(tmp_path):
 
 # --- Gemma: a target that scales its embedding ------------------------------------------------
 
-def tiny_gemma3(vocab=128):
+def tiny_gemma3(vocab=128, **config):
     from transformers import AutoModelForCausalLM, Gemma3TextConfig
     cfg = Gemma3TextConfig(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=6,
                            num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512,
-                           sliding_window=16, tie_word_embeddings=True)
+                           sliding_window=16, tie_word_embeddings=True, **config)
     torch.manual_seed(0)
     return AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa").float().eval()
 
@@ -343,25 +343,32 @@ def test_gemma_drafter_embeds_through_the_scaled_embedding():
     assert "embed_tokens.weight" not in drafter.state_dict()
 
 
-def assert_stage_equals_forward(tmp_path, target, layers, attention, lengths, padding=0, low=0):
+def assert_stage_equals_forward(tmp_path, target, layers, attention, lengths, padding=0, low=0, distillation=None):
     """The target stage's hidden states of random documents of `lengths` packed in one row (and
-    `padding` tokens after them) equal the transformers forward of each document alone; returns
-    the stage's embedding module."""
+    `padding` tokens after them) equal the transformers forward of each document alone, and so
+    does its next-token distribution with a distillation (the top k of the forward's softmax of
+    logits / temperature); returns the stage's embedding module."""
     target.save_pretrained(tmp_path / "t")
     tiny_tokenizer().save_pretrained(tmp_path / "t")
     (rep,), embed, _ = tp.load_target_replicas(str(tmp_path / "t"), [torch.device("cpu")], layers, log=lambda *a: None,
-                                               target_attention=attention)
+                                               target_attention=attention, distillation=distillation)
     g = torch.Generator().manual_seed(0)
     docs = [torch.randint(low, 100, (n,), generator=g) for n in lengths]
     pad = torch.zeros(padding, dtype=torch.long)
     batch = {"input_ids": torch.cat(docs + [pad])[None],
              "doc_ids": torch.cat([torch.full((len(d),), i) for i, d in enumerate(docs)] + [pad - 1])[None],
              "position_ids": torch.cat([torch.arange(len(d)) for d in docs] + [pad])[None]}
-    packed, at = rep.target_hidden(batch), 0
+    outputs, at = rep.outputs(batch), 0
     for d in docs:
-        hs = target(d[None], output_hidden_states=True).hidden_states
-        torch.testing.assert_close(packed[0, at:at + len(d)], torch.cat([hs[i + 1] for i in layers], -1)[0],
-                                   rtol=1e-4, atol=1e-4)
+        forward = target(d[None], output_hidden_states=True)
+        hs = forward.hidden_states
+        torch.testing.assert_close(outputs["target_hidden"][0, at:at + len(d)],
+                                   torch.cat([hs[i + 1] for i in layers], -1)[0], rtol=1e-4, atol=1e-4)
+        if distillation:
+            want = (forward.logits[0].float() / distillation["temperature"]).softmax(-1).topk(distillation["top_k"])
+            assert torch.equal(outputs["target_top_ids"][0, at:at + len(d)].long(), want.indices)
+            torch.testing.assert_close(outputs["target_top_probs"][0, at:at + len(d)], want.values,
+                                       rtol=1e-4, atol=1e-6)
         at += len(d)
     return embed
 
@@ -373,6 +380,17 @@ def test_gemma_target_stage_equals_the_transformers_forward(tmp_path, attention,
     flex path at 416 tokens: tiles of 128 that are fully visible, partly and not at all."""
     embed = assert_stage_equals_forward(tmp_path, tiny_gemma3(), [1, 3], attention, lengths, padding=3)
     assert embed(torch.tensor([3])).abs().sum() > 0
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "gemma3"])
+def test_the_distribution_the_drafter_learns_is_the_targets_own_softmax(tmp_path, arch):
+    """--loss kl/mix: the target stage's top-k of packed documents are the transformers forward's
+    probabilities at the distillation temperature (Gemma 3 with its final logit soft-capping)."""
+    from conftest import tiny_target
+    target = tiny_gemma3(final_logit_softcapping=3.0) if arch == "gemma3" else \
+        tiny_target(vocab=128, dtype=torch.float32, init_std=0.15)
+    assert_stage_equals_forward(tmp_path, target, [1, 3], "dense", (20, 9), padding=3,
+                                distillation=dict(top_k=8, temperature=0.7, kl_weight=1.0))
 
 
 # --- target layers ----------------------------------------------------------------------------

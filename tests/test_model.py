@@ -374,6 +374,88 @@ def test_compiled_head_chunk_matches_eager_and_writes_no_fp32_vocabulary_buffer(
     assert vocab_buffers and "float32" not in vocab_buffers, vocab_buffers
 
 
+# --- distillation: KL from the target's top-k distribution ----------------------------------
+
+def distribution_case(N=9, D=8, V=20, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    h, w = torch.randn(N, D, generator=g), torch.randn(V, D, generator=g)
+    target = (torch.randn(N, V, generator=g) * 2).softmax(-1)
+    return h, w, torch.randint(0, V, (N,), generator=g), target
+
+
+@pytest.mark.parametrize("kl_weight", [1.0, 0.3])
+def test_kl_with_the_whole_vocabulary_is_the_exact_kl_and_its_gradient(kl_weight):
+    h, w, lab, p = distribution_case()
+    ids = p.argsort(-1, descending=True)  # top-k = the vocabulary: no rest bucket
+    h = h.requires_grad_()
+    loss, correct = dm.lm_head_ce(h, w, lab, 4, True, (ids, p.gather(1, ids)), kl_weight)
+    log_q = (h @ w.t()).log_softmax(-1)
+    ref = (1 - kl_weight) * -log_q.gather(1, lab[:, None])[:, 0] + kl_weight * (p * (p.log() - log_q)).sum(-1)
+    torch.testing.assert_close(loss, ref)
+    assert torch.equal(correct, log_q.argmax(-1) == lab)
+    g = torch.randn(len(lab))
+    torch.testing.assert_close(torch.autograd.grad((loss * g).sum(), h)[0], torch.autograd.grad((ref * g).sum(), h)[0])
+
+
+def test_kl_of_a_top_k_is_over_the_k_tokens_and_one_bucket_for_the_rest():
+    h, w, lab, p = distribution_case()
+    ids = p.topk(5, -1).indices
+    pk = p.gather(1, ids)
+    h = h.requires_grad_()
+    loss, _ = dm.lm_head_ce(h, w, lab, 4, True, (ids, pk), 1.0)
+    q = (h @ w.t()).softmax(-1)
+    qk, rest, q_rest = q.gather(1, ids), 1 - pk.sum(-1), 1 - q.gather(1, ids).sum(-1)
+    ref = (pk * (pk / qk).log()).sum(-1) + rest * (rest / q_rest).log()  # written out by hand
+    torch.testing.assert_close(loss, ref)
+    torch.testing.assert_close(torch.autograd.grad(loss.sum(), h)[0], torch.autograd.grad(ref.sum(), h)[0])
+
+
+def test_kl_to_a_one_hot_distribution_is_the_cross_entropy():
+    h, w, lab, _ = distribution_case()
+    one_hot = (lab[:, None], torch.ones(len(lab), 1))
+    for weight in (1.0, 0.5):
+        got = dm._head_distill_chunk(h, w, lab, *one_hot, weight, True)
+        want = dm._head_ce_chunk(h, w, lab, True)
+        for a, b in zip(got, want):
+            torch.testing.assert_close(a, b)
+
+
+def test_compiled_distillation_chunk_matches_eager():
+    torch._dynamo.reset()
+    h, w, lab, p = distribution_case(N=32, V=200)
+    top = p.topk(16, -1)
+    args = (h.float(), w.float(), lab, top.indices, top.values.float(), 0.5, True)
+    for a, b in zip(torch.compile(dm._head_distill_chunk, dynamic=False)(*args), dm._head_distill_chunk(*args)):
+        torch.testing.assert_close(a, b)
+    torch._dynamo.reset()
+
+
+def test_training_with_kl_lowers_the_kl_to_the_target():
+    # A drafter trained on one batch's target distribution (the target stage's top-k at T=1) with
+    # --loss kl: the KL to it falls well below where it starts.
+    import train_dflash_pipeline as tp
+    target = tiny_target(vocab=64, init_std=0.3)
+    drafter = make_drafter(target).train()
+    replica = tp.TargetReplica(target, drafter.target_layer_ids, torch.device("cpu"),
+                               distillation=dict(top_k=16, temperature=1.0, kl_weight=1.0))
+    g = torch.Generator().manual_seed(0)
+    R, L = 2, 40
+    ids = torch.randint(0, 63, (R, L), generator=g)
+    batch = {"input_ids": ids, "position_ids": torch.arange(L).repeat(R, 1), "doc_ids": torch.zeros(R, L).long()}
+    out = replica.outputs(batch)
+    inputs = (out["target_hidden"], ids, torch.ones(R, L), batch["doc_ids"], batch["position_ids"],
+              torch.rand(R, L, generator=g), out["target_top_ids"], out["target_top_probs"])
+    opt = torch.optim.Adam(drafter.parameters(), lr=3e-3)
+    losses = []
+    for _ in range(60):
+        loss, _ = drafter(*inputs, num_anchors=8, kl_weight=1.0)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    assert losses[-1] < 0.5 * losses[0], losses[::10]
+
+
 CE_ROWS_CHECK = """
 import sys, torch
 sys.path.insert(0, sys.argv[1])
@@ -942,6 +1024,13 @@ def test_validation_replay_over_a_packed_row_equals_the_evaluations_replay_per_a
     every = torch.arange(L)[None]
     _, correct, ok = drafter.block_predictions(hidden, ids, *packing, every, torch.ones_like(every).bool())
     assert taus.tolist() == (1 + (correct & ok).long().cumprod(-1).sum(-1))[0].tolist()
+    # sampled: a target sure of the data's next token expects greedy's gains; one that gives it
+    # probability 1/2 expects 1 + 1/2 + ... + (1/2)^(gain - 1) = 2 - (1/2)^(gain - 1)
+    data_next = torch.cat([ids[:, 1:], ids[:, -1:]], 1)[..., None]
+    for p, want in ((1.0, taus.double()), (0.5, 2 - 0.5 ** (taus.double() - 1))):
+        expected = evaluation.accepted_lengths_everywhere(drafter, hidden, ids, *packing, 7,
+                                                          distribution=(data_next, torch.full(data_next.shape, p)))
+        torch.testing.assert_close(expected[0].double(), want)
     answers = evaluation.replayed_over_answers(lambda p, end: taus[p].item(), row["loss_mask"], row["doc_ids"])
     assert [first for _, first in answers] == [True, True, False, True, True]  # doc 1 has two answers
     packed = [g for gains, _ in answers for g in gains]

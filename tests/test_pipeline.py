@@ -163,6 +163,8 @@ def test_mostly_bad_corpus_and_missing_file_refused(tmp_path, tiny_model_dir):
     (["--block-size", "200"], "--block-size 200 does not fit"),
     (["--target-gpus", "0", "--drafter-gpus", "7"], "does not exist"),
     (["--target-gpus", "cpu", "--drafter-gpus", "cpu", "--compile"], "--compile captures CUDA graphs"),
+    (["--loss", "mix", "--kl-weight", "1"], "--kl-weight 1.0 must be in (0, 1)"),
+    (["--loss", "kl", "--distill-top-k", "129"], "larger than the target's vocabulary (128)"),
 ])
 def test_impossible_settings_refused(tmp_path, tiny_model_dir, extra, msg):
     r = run_cli(tmp_path, tiny_model_dir, "unused.jsonl", *extra)
@@ -360,7 +362,7 @@ def test_out_of_memory_at_start_up_names_a_budget_that_was_tried(fake_gpu_memory
         def synthetic_batch(self, rows, length):
             return rows
 
-        def target_hidden(self, rows):  # the one-row measurement
+        def outputs(self, rows):  # the one-row measurement
             fake_gpu_memory["bytes"] = rows * GB
 
         def capture(self, rows, length):
@@ -1044,11 +1046,31 @@ def test_evaluations_at_a_temperature_beside_greedy(tmp_path, tiny_model_dir):
     args = pipeline_args(tmp_path / "o", tiny_model_dir, data, "--target-gpus", "cpu", "--drafter-gpus", "cpu",
                          "--num-draft-layers", "1", "--max-steps", "4", "--log-interval", "2", "--eval-interval", "2",
                          "--eval-data", prompts, "--eval-prompts", "2", "--eval-max-new-tokens", "8",
-                         "--eval-temperature", "1.0")
+                         "--eval-temperature", "1.0", "--val-fraction", "0.2", "--val-interval", "2")
     assert tp.main(args) == 0
     with open(tmp_path / "o" / "metrics.jsonl") as f:
         evals = [r for r in map(json.loads, f) if "eval_acceptance_length" in r]
     assert evals and all(r["eval_temperature"] == 1.0 and r["eval_sampled_acceptance_length"] >= 1 for r in evals)
+    with open(tmp_path / "o" / "metrics.jsonl") as f:
+        vals = [r for r in map(json.loads, f) if "val_tau_hat" in r]
+    assert vals and all(1 <= r["val_sampled_tau_hat"] <= r["val_tau_hat"] + 0.5 for r in vals)
     report = json.loads((tmp_path / "o" / "final" / "eval_acceptance.json").read_text())
     assert report["lossless"] and report["sampled"]["temperature"] == 1.0 and report["sampled"]["lossless"] is None
     assert len(report["acceptance_per_slot"]) == 3 and report["prompt_files"][0]["file"] == prompts
+
+
+def test_a_distillation_run_trains_records_its_loss_and_resumes_only_with_it(tmp_path, tiny_model_dir, capsys):
+    data = write_jsonl(tmp_path / "d.jsonl", chat_rows(40))
+    args = pipeline_args(tmp_path / "o", tiny_model_dir, data, "--target-gpus", "cpu", "--drafter-gpus", "cpu",
+                         "--max-steps", "4", "--log-interval", "2", "--save-interval", "2", "--loss", "mix",
+                         "--kl-weight", "0.25", "--distill-top-k", "16", "--distill-temperature", "2")
+    assert tp.main(args) == 0
+    with open(tmp_path / "o" / "metrics.jsonl") as f:
+        steps = [r for r in map(json.loads, f) if "loss" in r and "step" in r]
+    assert steps and all(math.isfinite(r["loss"]) and r["loss"] > 0 for r in steps)
+    recorded = dm.read_training_record(tmp_path / "o" / "final")
+    assert recorded["distillation"] == {"kl_weight": 0.25, "temperature": 2.0, "top_k": 16}
+    # Another loss is another run: resuming it under --loss ce is refused, naming the difference
+    capsys.readouterr()
+    assert tp.main(args[:-8] + ["--max-steps", "6", "--resume", "auto"]) == 2
+    assert "distillation {'kl_weight': 0.25" in capsys.readouterr().err
