@@ -258,6 +258,7 @@ def evaluate_models(target, tokenizer, drafter, prompts, device, max_new_tokens,
     mismatches = []
     generated = forwards = 0
     tf_taus, tf_gains, lookup_taus = [], [], []
+    per_answer = []  # the drafter's gain at each verification step of each answer
     bar = tqdm(total=3 * sum(len(turns) for _, turns in prompts), unit="answer", desc="eval",
                disable=None if show_progress else True)
     for k in range(max(len(turns) for _, turns in prompts)):
@@ -298,6 +299,8 @@ def evaluate_models(target, tokenizer, drafter, prompts, device, max_new_tokens,
                     mismatches.append({"method": name, "prompt": i, "turn": k, "first_difference_at": first,
                                        "near_tie": tie, "logit_gap": gap})
                 gains[name][category] += gained
+                if name == "drafter":
+                    per_answer.append({"prompt": i, "turn": k, "gains": list(gained)})
                 if files is not None:
                     by_file[name][files[i]] += gained
             taus, replayed = teacher_forced_gains(target, drafter, torch.tensor([ids[j]], device=device), reference)
@@ -341,6 +344,7 @@ def evaluate_models(target, tokenizer, drafter, prompts, device, max_new_tokens,
         "lossless": not [m for m in mismatches if not m["near_tie"]] if temperature <= 0 else None,
         "mismatches": mismatches,
         "near_ties": sum(m["near_tie"] for m in mismatches),
+        "per_answer": per_answer,
     }
     fmt = lambda x: "-" if x is None else f"{x:.2f}"  # noqa: E731
     log(f"eval{f' at temperature {temperature:g}' if temperature > 0 else ''}: acceptance length {acceptance:.2f} "

