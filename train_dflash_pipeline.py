@@ -920,6 +920,32 @@ class TargetReplica:
         self.graph = self.static_in = self.static_out = None
 
 
+@torch.no_grad()
+def stage_against_transformers(replica, batch):
+    """The target stage's features of a packed row (the first of a batch: several documents, as
+    training sees them) against the model's own forward of each document alone (transformers'
+    attention, no packing mask): per layer the drafter reads, the largest relative error
+    ||stage - forward|| / ||forward|| over the documents. A stage whose masks or kernels compute
+    something else than the model (a window missed, a mask tile wrong) shows here by layer."""
+    outputs = replica.outputs({k: batch[k][:1] for k in TARGET_INPUTS})["target_hidden"][0].float()
+    doc_ids = batch["doc_ids"][0]
+    base = getattr(replica.model, replica.model.base_model_prefix)
+    errors = [0.0] * len(replica.target_layer_ids)
+    for doc in doc_ids.unique().tolist():
+        if doc < 0:  # padding
+            continue
+        at = (doc_ids == doc).nonzero()[:, 0]
+        ids = batch["input_ids"][0, at].to(replica.device)[None]
+        with collect_layer_outputs(replica.model, replica.target_layer_ids) as layers:
+            base(input_ids=ids, use_cache=False)
+        width = outputs.shape[-1] // len(layers)
+        for i, want in enumerate(layers):
+            got = outputs[at.to(outputs.device), i * width:(i + 1) * width]
+            want = want[0].float()
+            errors[i] = max(errors[i], ((got - want).norm() / want.norm().clamp(min=1e-12)).item())
+    return dict(zip(replica.target_layer_ids, errors))
+
+
 def fits_in_memory(step):
     """Runs step(); False if the GPU ran out of memory. The error is dropped on the way out, and
     with it the failed step's frames and the tensors they hold."""

@@ -5,11 +5,13 @@
 
 Checks, in order, and stops at the first failure with its reason (exit 1): data reads and
 tokenises; the target loads (and runs one batch) on every target device and the drafter builds
-on every drafter device; compilation and graph capture succeed on every worker (--compile); a few
-steps run with finite, falling loss; memory after warm-up does not grow; a checkpoint saves and
-loads back; tokens/s. Time-boxed (--time-limit): past it the process exits, threads and all.
-Each check runs the trainer's own stage (train_dflash_pipeline.Trainer: load_data,
-load_models, train, finish) with the run's flags, for --smoke-steps steps and no evaluation.
+on every drafter device; the target stage's features of a packed row equal the transformers
+forward of each of its documents alone, layer by layer; compilation and graph capture succeed
+on every worker (--compile); a few steps run with finite, falling loss; memory after warm-up
+does not grow; a checkpoint saves and loads back; tokens/s. Time-boxed (--time-limit): past it
+the process exits, threads and all. Each check runs the trainer's own stage
+(train_dflash_pipeline.Trainer: load_data, load_models, train, finish) with the run's flags, for
+--smoke-steps steps and no evaluation.
 Writes into a temporary directory, never into the run's --output-dir; a passing run deletes it
 (a big target's drafter checkpoint is gigabytes), a failing or timed-out one keeps it and names it.
 """
@@ -128,6 +130,21 @@ def main(argv=None):
                 f"drafter {trainer.drafters[0].num_parameters() / 1e6:.1f}M parameters on {len(trainer.drafters)} "
                 "device(s)")
     check("target and drafter load on every device", models)
+
+    def same_as_transformers():
+        # bf16 rounding alone moves a path's features about 2% from fp32's, so two bf16 paths
+        # (flex against SDPA, fused against plain) part by a few percent; a missed window is 24-45%
+        # on a 4-layer model (tests/test_data.py)
+        tolerance = 0.08 if trainer.replicas[0].dtype == torch.bfloat16 else 1e-4
+        _, batch = next(trainer.batches.iterate(0))
+        errors = tp.stage_against_transformers(trainer.replicas[0], batch)
+        wrong = {layer: round(e, 5) for layer, e in errors.items() if not e <= tolerance}
+        if wrong:
+            raise CheckFailed(f"the target stage's features differ from the transformers forward of each document "
+                              f"alone by more than {tolerance:g} (relative) at layers {wrong}: this target's "
+                              "attention is not what the stage computes")
+        return "relative error per layer " + ", ".join(f"{k}: {v:.1e}" for k, v in errors.items())
+    check("target stage equals the transformers forward, layer by layer", same_as_transformers)
 
     def steps():
         run = trainer.train(show_progress=False)

@@ -667,6 +667,24 @@ def test_sliding_windows_of_every_kind_equal_the_transformers_forward(tmp_path, 
         decoding.check_batchable(target.config)
 
 
+def test_the_smoke_tests_layer_check_sees_a_stage_that_is_not_the_model(monkeypatch):
+    """stage_against_transformers (the smoke test's check) on a packed row: equal to the forward
+    of each document alone when the stage keeps the window; with the window dropped (as the stage
+    once did for a plain sliding_window) the documents longer than it differ by far more than
+    rounding."""
+    target = tiny_windowed("mistral")
+    g = torch.Generator().manual_seed(0)
+    lengths = (20, 31)
+    batch = {"input_ids": torch.randint(3, 100, (1, sum(lengths)), generator=g),
+             "doc_ids": torch.cat([torch.full((n,), i) for i, n in enumerate(lengths)])[None],
+             "position_ids": torch.cat([torch.arange(n) for n in lengths])[None]}
+    right = tp.TargetReplica(target, [0, 2], torch.device("cpu"))
+    assert max(tp.stage_against_transformers(right, batch).values()) < 1e-5
+    monkeypatch.setattr(tp, "target_windows", lambda tc: (None, None))
+    errors = tp.stage_against_transformers(tp.TargetReplica(target, [0, 2], torch.device("cpu")), batch)
+    assert min(errors.values()) > 0.01, errors
+
+
 def test_a_run_whose_evaluation_cannot_run_is_refused_before_it_trains(tmp_path, capsys):
     target = tiny_windowed("mistral")
     target.save_pretrained(tmp_path / "t")
