@@ -137,6 +137,12 @@ def build_parser():
     a("--compile-target", action=argparse.BooleanOptionalAction, default=None,
       help="compile the target's decoder layers (inductor) before the stage is warmed up (and, with --compile, "
       "captured); same features. Default: on with --compile on GPUs")
+    a("--plan", action="store_true",
+      help="print the memory plan (what each GPU will hold: weights, optimizer state, activations) from the configs "
+      "alone and exit, nothing loaded")
+    a("--gpu-memory", type=float, default=None,
+      help="GB each GPU holds, for the memory plan: plan for GPUs this machine does not have (with --plan: any "
+      "--target-gpus/--drafter-gpus indices)")
     a("--queue-depth", type=int, default=2, help="batches waiting per drafter worker")
     a("--switch-interval", type=float, default=1e-4,
       help="Python thread switch interval (s) on GPU runs: short, so workers are not kept waiting")
@@ -344,7 +350,7 @@ def resolve_layout(flags):
     if not targets or not drafters:
         raise UsageError("--target-gpus and --drafter-gpus each need at least one device")
     for d in targets + drafters:
-        if d.type == "cuda" and d.index >= n:
+        if d.type == "cuda" and d.index >= n and not (flags.plan and flags.gpu_memory):
             raise UsageError(f"GPU {d.index} does not exist: {n} GPU(s) visible "
                              f"(indices 0..{n - 1}; CUDA_VISIBLE_DEVICES renumbers them)")
     return targets, drafters
@@ -409,7 +415,7 @@ def resolve_drafter_attention(choice, devices, tc, block_size):
     devices and shapes. On Hopper GPUs (where their settings were chosen) the Triton kernels make
     the step faster than flex_attention (docs/benchmarks.md) where they fit the shapes; flex on
     other GPUs; SDPA on CPU."""
-    gpu = devices[0].type == "cuda"
+    gpu = devices[0].type == "cuda" and torch.cuda.is_available()  # planning for GPUs elsewhere: as on CPU
     fits = gpu and dm.block_attention_fits(*dm.attention_shape(tc), block_size)
     if choice == "triton" and not fits:
         raise UsageError("--drafter-attention triton needs CUDA drafter GPUs, the triton package, head_dim a power "
@@ -459,6 +465,110 @@ def resolve_settings(flags):
         target_layer_ids=layer_ids,
         drafter_attention=resolve_drafter_attention(flags.drafter_attention, drafter_devices, tc, flags.block_size),
         target_attention=target_attention, compile_target=compile_target, data_files=None)
+
+
+# -----------------------------------------------------------------------------
+# The memory plan: what each GPU will hold, from the configs alone (the meta device), before any
+# weight loads. Weights and optimizer state are exact counts; activations are estimates from the
+# shapes (the largest live set of the target's forward; what the drafter step keeps for its
+# backward), and the warm-up measures the real step before the run (budget_error).
+
+GB = 2**30
+
+
+def parameter_count(module_fn):
+    """Parameters of the module module_fn builds, built on the meta device (no memory)."""
+    with torch.device("meta"):
+        return sum(p.numel() for p in module_fn().parameters())
+
+
+def target_parameters(config, keep_layers):
+    """The parameters of the target's replica: its first keep_layers decoder layers, embedding,
+    final norm and LM head (a tied head once)."""
+    from transformers import AutoModelForCausalLM
+    config = copy.deepcopy(config)
+    dm.text_config(config).num_hidden_layers = keep_layers
+    return parameter_count(lambda: AutoModelForCausalLM.from_config(config))
+
+
+def memory_plan(settings, config):
+    """{device: {part: bytes}} for every GPU of the layout (a device shared by both stages holds
+    both). Bytes: bf16 target weights; the drafter's fp32 master weights, bf16 copy and gradient
+    and AdamW's two fp32 moments (16 bytes a parameter), the frozen embedding and LM head copies;
+    activations at the token budget."""
+    tc = dm.text_config(config)
+    s = settings
+    H, I, V = tc.hidden_size, tc.intermediate_size, tc.vocab_size
+    heads, kv_heads, head_dim = dm.attention_shape(tc)
+    T, R, L = s.token_budget, s.rows_per_batch, s.max_length
+    n = len(s.target_layer_ids)
+    keep = tc.num_hidden_layers if s.distillation is not None else max(s.target_layer_ids) + 1
+    plan = {}
+
+    def add(device, part, nbytes):
+        if device.type == "cuda":
+            plan.setdefault(device, {})[part] = plan.get(device, {}).get(part, 0) + nbytes
+
+    target_weights = 2 * target_parameters(config, keep)
+    # one layer's live set at a time, plus the captured layers' outputs and their concatenation
+    target_act = 2 * T * (2 * n * H + 3 * H + (heads + 2 * kv_heads) * head_dim + 3 * I)
+    if s.target_attention == "dense":
+        target_act += 2 * R * L * L  # the additive document mask
+    if s.distillation is not None:  # the LM head a chunk of positions at a time, then the top k
+        target_act += 3 * 4 * min(T, 4096) * V + 8 * T * s.distillation["top_k"]
+    for d in s.target_devices:
+        add(d, "target weights", target_weights)
+        add(d, "target activations (estimate)", target_act)
+    drafter_cfg = dm.make_drafter_config(config, mask_token_id=0, num_draft_layers=s.num_draft_layers,
+                                         block_size=s.block_size, target_layer_ids=s.target_layer_ids)
+    drafter_params = parameter_count(lambda: dm.DFlashDraftModel(drafter_cfg))
+    P = R * s.num_anchors * s.block_size  # block positions a step
+    context = 2 * T * (2 * n * H + 2 * H + 4 * kv_heads * head_dim * s.num_draft_layers)
+    blocks = 2 * P * s.num_draft_layers * (4 * H + 3 * heads * head_dim + 4 * kv_heads * head_dim + 3 * I)
+    head = 2 * min(s.ce_chunk_size, P) * V * (3 if s.distillation is not None else 1) + 2 * P * H
+    for d in s.drafter_devices:
+        add(d, "drafter weights, gradient and AdamW state", 16 * drafter_params)
+        add(d, "frozen embedding and LM head", 2 * 2 * V * H)
+        add(d, "drafter step activations (estimate)", context + blocks + head)
+    return plan
+
+
+def gpu_capacity(settings, device):
+    """Bytes a GPU holds: --gpu-memory's, else the device's own."""
+    if settings.gpu_memory:
+        return int(settings.gpu_memory * GB)
+    return torch.cuda.get_device_properties(device).total_memory
+
+
+def plan_text(plan, settings):
+    lines = []
+    for device, parts in sorted(plan.items(), key=lambda kv: kv[0].index):
+        cap = gpu_capacity(settings, device)
+        total = sum(parts.values())
+        lines.append(f"{device}: {total / GB:.1f} of {cap / GB:.1f} GB" + ("" if total <= cap else "  DOES NOT FIT"))
+        lines += [f"    {part}: {nbytes / GB:.2f} GB" for part, nbytes in parts.items()]
+    return "\n".join(lines)
+
+
+def check_memory_plan(settings, config):
+    """Refuses, before anything loads, a layout whose exact parts (weights, optimizer state)
+    alone do not fit a GPU, with the plan and what would fit; the activations' estimate is
+    shown, and the warm-up measures them."""
+    plan = memory_plan(settings, config)
+    for device, parts in plan.items():
+        exact = sum(b for part, b in parts.items() if "estimate" not in part)
+        cap = gpu_capacity(settings, device)
+        if exact <= cap:
+            continue
+        advice = []
+        if parts.get("target weights", 0) > cap:
+            advice.append("the target's weights alone do not fit one GPU; a replica split over several GPUs is not "
+                          "built yet")
+        if "drafter weights, gradient and AdamW state" in parts:
+            advice.append("fewer draft layers (--num-draft-layers)")
+        raise UsageError(f"the memory plan does not fit {device} ({exact / GB:.1f} GB of weights and optimizer state, "
+                         f"{cap / GB:.1f} GB on the GPU): {'; '.join(advice)}\n{plan_text(plan, settings)}")
+    return plan
 
 
 def cuda_devices(settings):
@@ -2489,7 +2599,13 @@ class Trainer:
 
 def main(argv=None):
     try:
-        return train(resolve_settings(parse_flags(argv)))
+        settings = resolve_settings(parse_flags(argv))
+        if settings.plan:
+            print(plan_text(memory_plan(settings, target_config(settings.target_model)), settings))
+            return 0
+        if settings.target_devices[0].type == "cuda" or settings.drafter_devices[0].type == "cuda":
+            check_memory_plan(settings, target_config(settings.target_model))
+        return train(settings)
     except UsageError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -1074,3 +1074,46 @@ def test_a_distillation_run_trains_records_its_loss_and_resumes_only_with_it(tmp
     capsys.readouterr()
     assert tp.main(args[:-8] + ["--max-steps", "6", "--resume", "auto"]) == 2
     assert "distillation {'kl_weight': 0.25" in capsys.readouterr().err
+
+
+def llama_70b_config(path):
+    """Llama-3.3-70B's shapes (the config alone: nothing downloaded, no weights)."""
+    from transformers import LlamaConfig
+    config = LlamaConfig(vocab_size=128256, hidden_size=8192, intermediate_size=28672, num_hidden_layers=80,
+                         num_attention_heads=64, num_key_value_heads=8, rope_theta=500000.0,
+                         tie_word_embeddings=False)
+    config.save_pretrained(path)
+    return config
+
+
+def test_the_memory_plan_of_a_70b_target_on_a_laptop(tmp_path, capsys):
+    """--plan --gpu-memory plans an 8-GPU host from the config alone: the weights are counted by
+    hand here (Llama layers, the DFlash drafter's), bf16 for the target, 16 bytes a drafter
+    parameter (fp32 master, bf16 copy and gradient, two fp32 moments)."""
+    config = llama_70b_config(tmp_path / "l70")
+    argv = ["--target-model", str(tmp_path / "l70"), "--target-gpus", "0,1,2,3,4,5", "--drafter-gpus", "6,7",
+            "--gpu-memory", "80", "--plan"]
+    assert tp.main(argv) == 0
+    out = capsys.readouterr().out
+    H, I, V, kv = 8192, 28672, 128256, 8 * 128
+    layer = 2 * H * H + 2 * H * kv + 3 * H * I + 2 * H  # q, o; k, v; the MLP; two norms
+    layers = dm.default_target_layer_ids(80, 5)
+    target_gb = 2 * ((max(layers) + 1) * layer + 2 * V * H + H) / 2**30  # + embedding, LM head, final norm
+    draft_layer = layer + 2 * 128  # + q_norm, k_norm
+    drafter_gb = 16 * (5 * draft_layer + 5 * H * H + 2 * H) / 2**30  # + fc over 5 target layers, two norms
+    assert f"    target weights: {target_gb:.2f} GB" in out, out
+    assert f"    drafter weights, gradient and AdamW state: {drafter_gb:.2f} GB" in out, out
+    assert out.count("DOES NOT FIT") == 8 and "cuda:7:" in out
+    assert config.num_hidden_layers == 80  # nothing loaded, nothing changed
+
+
+def test_a_layout_whose_weights_cannot_fit_is_refused_before_loading(tmp_path):
+    llama_70b_config(tmp_path / "l70")
+    settings = tp.Settings.of_flags(["--target-model", str(tmp_path / "l70"), "--gpu-memory", "80"],
+                                    target_devices=[torch.device("cuda", 0)], drafter_devices=[torch.device("cuda", 1)],
+                                    target_layer_ids=dm.default_target_layer_ids(80, 5), target_attention="flex")
+    with pytest.raises(chat_data.UsageError, match="does not fit cuda:0.*target's weights alone do not fit one GPU"):
+        tp.check_memory_plan(settings, tp.target_config(str(tmp_path / "l70")))
+    small = settings.replace(gpu_memory=400.0)  # an imaginary 400 GB card holds either stage
+    assert set(tp.check_memory_plan(small, tp.target_config(str(tmp_path / "l70")))) == {torch.device("cuda", 0),
+                                                                                      torch.device("cuda", 1)}
