@@ -709,3 +709,74 @@ def test_targets_whose_attention_the_stage_does_not_compute_are_refused_by_name(
     flags = tp.build_parser().parse_args(["--target-model", str(tmp_path / "t"), "--data", "x.jsonl"])
     with pytest.raises(chat_data.UsageError, match=named):
         tp.resolve_settings(flags)
+
+
+# --- every common architecture: exact, or refused before training -----------------------------
+
+SMALL = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+             num_key_value_heads=2, max_position_embeddings=512, pad_token_id=0, eos_token_id=1, bos_token_id=2)
+# family: (its config's extra fields, what happens: "trains" (and evaluates), "trains, evaluation
+# refused: <named>", or "refused: <named>")
+FAMILIES = {
+    "qwen3": ({}, "trains"),
+    "qwen2": ({}, "trains"),
+    "llama": ({}, "trains"),
+    "mistral": ({"sliding_window": None}, "trains"),
+    "phi3": ({"sliding_window": None}, "trains"),
+    "qwen3_moe": ({"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32}, "trains"),
+    "mistral+window": ({"sliding_window": 8}, "trains, evaluation refused: sliding-window"),
+    "qwen2+window": ({"use_sliding_window": True, "sliding_window": 8, "max_window_layers": 2},
+                     "trains, evaluation refused: sliding-window"),
+    "gemma3_text": ({"sliding_window": 8, "head_dim": 16}, "trains, evaluation refused: sliding-window"),
+    "deepseek_v3": ({"num_key_value_heads": 4, "n_routed_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+                     "first_k_dense_replace": 1, "n_group": 1, "topk_group": 1, "q_lora_rank": 32, "kv_lora_rank": 16,
+                     "qk_rope_head_dim": 8, "qk_nope_head_dim": 8, "v_head_dim": 16},
+                    "trains, evaluation refused: multi-head latent attention"),
+    "gemma2": ({}, "refused: soft-capping"),
+    "gpt_oss": ({}, "refused: attention sinks"),
+    "qwen3_next": ({}, "refused: linear-attention"),
+}
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_every_common_architecture_is_exact_or_refused_by_name(tmp_path, family, capsys):
+    """What a new user meets with each family (a tiny random-weight config, packed chat data, the
+    evaluator on): training and the evaluation run, with the target stage's features equal to the
+    transformers forward of each packed document alone; or the evaluation is refused before any
+    step, naming why, and training without it is exact; or the target is refused by name."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+    extra, outcome = FAMILIES[family]
+    config = AutoConfig.for_model(family.split("+")[0], **{**SMALL, **extra})
+    torch.manual_seed(0)
+    if outcome.startswith("refused"):
+        config.save_pretrained(tmp_path / "t")
+    else:
+        AutoModelForCausalLM.from_config(config).float().save_pretrained(tmp_path / "t")
+    tiny_tokenizer().save_pretrained(tmp_path / "t")
+    from test_pipeline import chat_rows
+    data = write_jsonl(tmp_path / "d.jsonl", chat_rows(12))
+    prompts = write_jsonl(tmp_path / "p.jsonl", [{"prompt": "the cat"}])
+    argv = ["--target-model", str(tmp_path / "t"), "--data", data, "--output-dir", str(tmp_path / "o"),
+            "--cache-dir", str(tmp_path / "cache"), "--max-length", "128", "--token-budget", "256", "--num-anchors",
+            "8", "--block-size", "4", "--num-draft-layers", "1", "--target-layer-ids", "0,2", "--max-steps", "2",
+            "--eval-data", prompts, "--eval-prompts", "1", "--eval-max-new-tokens", "4"]
+    capsys.readouterr()
+    rc = tp.main(argv)
+    err = capsys.readouterr().err
+    if outcome.startswith("refused"):
+        assert rc == 2 and outcome.split(": ")[1] in err, err
+        return
+    if outcome.startswith("trains, evaluation refused"):
+        assert rc == 2 and outcome.split(": ")[1] in err and "--eval-prompts 0" in err, err
+        assert tp.main(argv + ["--eval-prompts", "0"]) == 0
+    else:
+        assert rc == 0, err
+        assert json.loads((tmp_path / "o" / "final" / "eval_acceptance.json").read_text())["lossless"]
+    (replica,), _, _ = tp.load_target_replicas(str(tmp_path / "t"), [torch.device("cpu")], [0, 2], log=lambda *a: None)
+    g = torch.Generator().manual_seed(1)
+    lengths = (40, 23, 50)
+    batch = {"input_ids": torch.randint(3, 100, (1, sum(lengths)), generator=g),
+             "doc_ids": torch.cat([torch.full((n,), i) for i, n in enumerate(lengths)])[None],
+             "position_ids": torch.cat([torch.arange(n) for n in lengths])[None]}
+    errors = tp.stage_against_transformers(replica, batch)
+    assert max(errors.values()) < 1e-4, errors
