@@ -669,8 +669,8 @@ def test_sliding_windows_of_every_kind_equal_the_transformers_forward(tmp_path, 
 
 def test_the_smoke_tests_layer_check_sees_a_stage_that_is_not_the_model(monkeypatch):
     """stage_against_transformers (the smoke test's check) on a packed row: equal to the forward
-    of each document alone when the stage keeps the window; with the window dropped (as the stage
-    once did for a plain sliding_window) the documents longer than it differ by far more than
+    of each document alone when the stage keeps the window; with the window dropped (a stage that
+    ignores a plain sliding_window) the documents longer than it differ by far more than
     rounding."""
     target = tiny_windowed("mistral")
     g = torch.Generator().manual_seed(0)
