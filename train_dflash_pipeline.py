@@ -415,7 +415,7 @@ def resolve_drafter_attention(choice, devices, tc, block_size):
     devices and shapes. On Hopper GPUs (where their settings were chosen) the Triton kernels make
     the step faster than flex_attention (docs/benchmarks.md) where they fit the shapes; flex on
     other GPUs; SDPA on CPU."""
-    gpu = devices[0].type == "cuda" and torch.cuda.is_available()  # planning for GPUs elsewhere: as on CPU
+    gpu = devices[0].type == "cuda"
     fits = gpu and dm.block_attention_fits(*dm.attention_shape(tc), block_size)
     if choice == "triton" and not fits:
         raise UsageError("--drafter-attention triton needs CUDA drafter GPUs, the triton package, head_dim a power "
@@ -460,10 +460,14 @@ def resolve_settings(flags):
     except ValueError as e:
         raise UsageError(f"--target-layer-ids {flags.target_layer_ids}: {e}") from None
     target_attention, compile_target = resolve_target_stage(flags, target_devices)
+    # planning for GPUs this machine lacks (--plan --gpu-memory): their kind is unknown, and the
+    # plan does not depend on the drafter's attention kernel
+    elsewhere = flags.plan and flags.gpu_memory and any(d.type == "cuda" for d in drafter_devices)
+    drafter_attention = "flex" if elsewhere else \
+        resolve_drafter_attention(flags.drafter_attention, drafter_devices, tc, flags.block_size)
     return Settings(**vars(flags)).replace(
         **derived_from_flags(flags), target_devices=target_devices, drafter_devices=drafter_devices,
-        target_layer_ids=layer_ids,
-        drafter_attention=resolve_drafter_attention(flags.drafter_attention, drafter_devices, tc, flags.block_size),
+        target_layer_ids=layer_ids, drafter_attention=drafter_attention,
         target_attention=target_attention, compile_target=compile_target, data_files=None)
 
 
