@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from dflash_model import block_mask_of_tiles, sdpa_attend, text_config
-from target_model import attention_implementation, collect_layer_outputs, register_flex_attention
+from target_model import attention_implementation, collect_layer_outputs, register_flex_attention, target_windows
 
 
 def kv_layout(config):
@@ -36,9 +36,7 @@ def check_batchable(config):
     sliding-window attention (per layer type, or a plain window on every layer), multi-head latent
     attention (its KV cache is not keys and values per head)."""
     tc = text_config(config)
-    layer_types = getattr(tc, "layer_types", None) or []
-    if "sliding_attention" in layer_types or getattr(tc, "use_sliding_window", False) or \
-            (not layer_types and getattr(tc, "sliding_window", None) is not None):
+    if target_windows(tc)[0] is not None:
         raise ValueError(f"{type(tc).__name__} has sliding-window attention: the batched decoder does not apply it")
     if getattr(tc, "kv_lora_rank", None):
         raise ValueError(f"{type(tc).__name__} has multi-head latent attention: the batched decoder does not "

@@ -848,13 +848,19 @@ def _upcast(x):
     return x.to(torch.promote_types(x.dtype, torch.float32))
 
 
-def _head_ce_chunk(hidden, weight, labels, with_grad):
-    """ce, correct and (if with_grad) d ce / d hidden for one chunk of positions (hidden in the
-    weight's dtype, as lm_head_ce hands it over)."""
+def _head_logits(hidden, weight, labels):
+    """(logits in fp32 or wider, their logsumexp, ce, whether the argmax is the label) of one
+    chunk of positions."""
     logits = _upcast(hidden @ weight.t())
     lse = torch.logsumexp(logits, -1, keepdim=True)
     ce = (lse - logits.gather(1, labels[:, None])).squeeze(1)
-    correct = logits.argmax(-1) == labels
+    return logits, lse, ce, logits.argmax(-1) == labels
+
+
+def _head_ce_chunk(hidden, weight, labels, with_grad):
+    """ce, correct and (if with_grad) d ce / d hidden for one chunk of positions (hidden in the
+    weight's dtype, as lm_head_ce hands it over)."""
+    logits, lse, ce, correct = _head_logits(hidden, weight, labels)
     if not with_grad:
         return ce, correct, None
     probs = torch.exp(logits - lse)  # d ce / d logits = softmax - onehot(label)
@@ -942,10 +948,7 @@ def head_ce_chunk_fn(device, compile_chunk):
 def _head_distill_chunk(hidden, weight, labels, top_ids, top_probs, kl_weight, with_grad):
     """_head_ce_chunk's contract for the loss (1 - kl_weight) ce + kl_weight KL(p || q), p given
     as top_ids, top_probs [N, k] and the rest of its mass."""
-    logits = _upcast(hidden @ weight.t())
-    lse = torch.logsumexp(logits, -1, keepdim=True)
-    ce = (lse - logits.gather(1, labels[:, None])).squeeze(1)
-    correct = logits.argmax(-1) == labels
+    logits, lse, ce, correct = _head_logits(hidden, weight, labels)
     p = top_probs.to(logits.dtype)
     rest = (1.0 - p.sum(-1, keepdim=True)).clamp(min=0.0)
     outside = logits.scatter(1, top_ids, float("-inf"))  # the drafter's logits outside the k

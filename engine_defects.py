@@ -132,8 +132,8 @@ def probe():
         if k_norm_defect_present():
             out["defects"].append(VLLM_CPU_K_NORM["name"])
         from vllm.model_executor.models.qwen3_dflash import DFlashQwen3Model
-        out["fixed"] = DFlashQwen3Model._normalize_context_k is normalize_context_k_per_layer or \
-            getattr(DFlashQwen3Model._normalize_context_k, "__name__", "") == normalize_context_k_per_layer.__name__
+        # by name: the fix installed at start-up comes from another load of this file
+        out["fixed"] = DFlashQwen3Model._normalize_context_k.__name__ == normalize_context_k_per_layer.__name__
     except Exception as e:  # an engine without these modules: nothing known applies
         out["error"] = f"{type(e).__name__}: {e}"
     print(json.dumps(out))

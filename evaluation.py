@@ -104,12 +104,17 @@ def file_digest(path):
     return h.hexdigest()
 
 
+def has_heldout_prompts(settings):
+    """Whether a run has held-out prompts to evaluate on (heldout_prompts_file, nothing fetched)."""
+    return bool(getattr(settings, "eval_data", None)) or settings.target_model == BUILTIN_MODEL
+
+
 def heldout_prompts_file(settings):
     """--eval-data, else MT-Bench for the built-in target (never in its built-in training data,
     whichever of them it trains on), else None."""
-    if getattr(settings, "eval_data", None):
-        return settings.eval_data
-    return mtbench_file() if settings.target_model == BUILTIN_MODEL else None
+    if not has_heldout_prompts(settings):
+        return None
+    return settings.eval_data or mtbench_file()
 
 
 def heldout_prompts(settings, tokenizer, n):

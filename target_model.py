@@ -47,6 +47,18 @@ def generation_config_of(model_path):
         return None
 
 
+def target_windows(tc):
+    """(which layers attend through a sliding window: None, "some" (per layer_types) or "every"
+    (a plain sliding_window, no layer types), the window) of a target's text config."""
+    layer_types = getattr(tc, "layer_types", None) or []
+    window = getattr(tc, "sliding_window", None)
+    if "sliding_attention" in layer_types:
+        return "some", window
+    if not layer_types and window is not None:
+        return "every", window
+    return None, None
+
+
 def decoder_layers(model):
     """The model's decoder layers (transformers' `<base model>.layers`)."""
     base = getattr(model, model.base_model_prefix, model)

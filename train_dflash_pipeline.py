@@ -43,16 +43,16 @@ import torch
 import dflash_model as dm
 from chat_data import UsageError, load_corpus, parse_chat_template_kwargs, parse_data_fields, render_chat, \
     resolve_data_paths, special_token_ids
-from decoding import check_batchable
+from decoding import check_batchable, token_probs
 from demo_assets import BUILTIN_DATA, BUILTIN_MODEL, BUILTIN_REGENERATED
 from evaluation import accepted_lengths_everywhere, drafter_target_mismatches, evaluate_drafter_dir, evaluate_models, \
-    heldout_prompts, heldout_prompts_file, replayed_over_answers
+    has_heldout_prompts, heldout_prompts, heldout_prompts_file, replayed_over_answers
 from flat_adamw import FlatAdamW, GradInto, WeightGradsIntoBuffer, flat_views
 from plots import write_plots
 from regeneration import regenerated_builtin_data
 from target_model import attention_implementation, collect_layer_outputs, decoder_layers, generation_config_of, \
     load_full_target, load_tokenizer, register_flex_attention, resolve_model_path, stop_token_ids, \
-    target_flex_kernel_options
+    target_flex_kernel_options, target_windows
 
 # -----------------------------------------------------------------------------
 # Command line
@@ -399,9 +399,7 @@ def target_config(name):
 def check_evaluation_can_run(flags, config):
     """A run whose evaluations (final, --eval-interval) the batched decoder cannot compute for this
     target is refused before it trains, naming why, rather than failing after its last step."""
-    evaluates = (flags.eval_prompts > 0 or flags.eval_interval > 0) and \
-        (flags.eval_data is not None or flags.target_model == BUILTIN_MODEL)
-    if not evaluates:
+    if not (flags.eval_prompts > 0 or flags.eval_interval > 0) or not has_heldout_prompts(flags):
         return
     try:
         check_batchable(config)
@@ -478,6 +476,11 @@ def resolve_settings(flags):
 # backward), and the warm-up measures the real step before the run (budget_error).
 
 GB = 2**30
+# a plan's parts; the activations are estimates, the rest exact counts
+TARGET_WEIGHTS, TARGET_ACTIVATIONS = "target weights", "target activations (estimate)"
+DRAFTER_STATE, FROZEN_PARTS = "drafter weights, gradient and AdamW state", "frozen embedding and LM head"
+DRAFTER_ACTIVATIONS = "drafter step activations (estimate)"
+ESTIMATED = (TARGET_ACTIVATIONS, DRAFTER_ACTIVATIONS)
 
 
 def parameter_count(module_fn):
@@ -507,11 +510,7 @@ def memory_plan(settings, config):
     T, R, L = s.token_budget, s.rows_per_batch, s.max_length
     n = len(s.target_layer_ids)
     keep = tc.num_hidden_layers if s.distillation is not None else max(s.target_layer_ids) + 1
-    plan = {}
-
-    def add(device, part, nbytes):
-        if device.type == "cuda":
-            plan.setdefault(device, {})[part] = plan.get(device, {}).get(part, 0) + nbytes
+    plan = collections.defaultdict(collections.Counter)  # a device listed twice holds its parts twice
 
     target_weights = 2 * target_parameters(config, keep)
     # one layer's live set at a time, plus the captured layers' outputs and their concatenation
@@ -520,9 +519,9 @@ def memory_plan(settings, config):
         target_act += 2 * R * L * L  # the additive document mask
     if s.distillation is not None:  # the LM head a chunk of positions at a time, then the top k
         target_act += 3 * 4 * min(T, 4096) * V + 8 * T * s.distillation["top_k"]
-    for d in s.target_devices:
-        add(d, "target weights", target_weights)
-        add(d, "target activations (estimate)", target_act)
+    for d in cuda_only(s.target_devices):
+        plan[d][TARGET_WEIGHTS] += target_weights
+        plan[d][TARGET_ACTIVATIONS] += target_act
     drafter_cfg = dm.make_drafter_config(config, mask_token_id=0, num_draft_layers=s.num_draft_layers,
                                          block_size=s.block_size, target_layer_ids=s.target_layer_ids)
     drafter_params = parameter_count(lambda: dm.DFlashDraftModel(drafter_cfg))
@@ -530,11 +529,11 @@ def memory_plan(settings, config):
     context = 2 * T * (2 * n * H + 2 * H + 4 * kv_heads * head_dim * s.num_draft_layers)
     blocks = 2 * P * s.num_draft_layers * (4 * H + 3 * heads * head_dim + 4 * kv_heads * head_dim + 3 * I)
     head = 2 * min(s.ce_chunk_size, P) * V * (3 if s.distillation is not None else 1) + 2 * P * H
-    for d in s.drafter_devices:
-        add(d, "drafter weights, gradient and AdamW state", 16 * drafter_params)
-        add(d, "frozen embedding and LM head", 2 * 2 * V * H)
-        add(d, "drafter step activations (estimate)", context + blocks + head)
-    return plan
+    for d in cuda_only(s.drafter_devices):
+        plan[d][DRAFTER_STATE] += 16 * drafter_params
+        plan[d][FROZEN_PARTS] += 2 * 2 * V * H
+        plan[d][DRAFTER_ACTIVATIONS] += context + blocks + head
+    return dict(plan)
 
 
 def gpu_capacity(settings, device):
@@ -565,24 +564,28 @@ def check_memory_plan(settings, config):
         print(f"note: no memory plan for this target ({type(e).__name__}: {str(e).splitlines()[0][:200]})")
         return None
     for device, parts in plan.items():
-        exact = sum(b for part, b in parts.items() if "estimate" not in part)
+        exact = sum(b for part, b in parts.items() if part not in ESTIMATED)
         cap = gpu_capacity(settings, device)
         if exact <= cap:
             continue
         advice = []
-        if parts.get("target weights", 0) > cap:
+        if parts[TARGET_WEIGHTS] > cap:
             advice.append("the target's weights alone do not fit one GPU; a replica split over several GPUs is not "
                           "built yet")
-        if "drafter weights, gradient and AdamW state" in parts:
+        if DRAFTER_STATE in parts:
             advice.append("fewer draft layers (--num-draft-layers)")
         raise UsageError(f"the memory plan does not fit {device} ({exact / GB:.1f} GB of weights and optimizer state, "
                          f"{cap / GB:.1f} GB on the GPU): {'; '.join(advice)}\n{plan_text(plan, settings)}")
     return plan
 
 
+def cuda_only(devices):
+    return [d for d in devices if d.type == "cuda"]
+
+
 def cuda_devices(settings):
     """The run's GPUs, target and drafter, each once."""
-    return sorted({d for d in settings.target_devices + settings.drafter_devices if d.type == "cuda"}, key=str)
+    return sorted(set(cuda_only(settings.target_devices + settings.drafter_devices)), key=str)
 
 
 def check_init_drafter(settings, target_config):
@@ -893,18 +896,6 @@ def stack_gate_up(model):
     return stacked
 
 
-def target_windows(tc):
-    """(which layers attend through a sliding window: None, "some" (per layer_types) or "every"
-    (a plain sliding_window, no layer types), the window) of a target's text config."""
-    layer_types = getattr(tc, "layer_types", None) or []
-    window = getattr(tc, "sliding_window", None)
-    if "sliding_attention" in layer_types:
-        return "some", window
-    if not layer_types and window is not None:
-        return "every", window
-    return None, None
-
-
 def next_token_top_k(last_hidden, lm_head, top_k, temperature, softcap=None, chunk_size=4096):
     """The target's next-token distribution at a temperature after each position, as its top_k
     most likely tokens: (ids int32, probabilities fp32) [R, L, top_k]. The LM head runs chunk_size
@@ -916,9 +907,8 @@ def next_token_top_k(last_hidden, lm_head, top_k, temperature, softcap=None, chu
         logits = lm_head(flat[start:start + chunk_size]).float()
         if softcap:
             logits = torch.tanh(logits / softcap) * softcap
-        logits = logits / temperature
-        top = logits.topk(top_k, dim=-1)
-        probs.append(torch.exp(top.values - torch.logsumexp(logits, -1, keepdim=True)))
+        top = token_probs(logits, temperature).topk(top_k, dim=-1)
+        probs.append(top.values)
         ids.append(top.indices.int())
     shape = (*last_hidden.shape[:2], top_k)
     return torch.cat(ids).view(shape), torch.cat(probs).view(shape)
@@ -940,6 +930,7 @@ class TargetReplica:
         self.distillation = distillation
         self.dtype = next(model.parameters()).dtype
         tc = dm.text_config(model.config)
+        self.final_softcap = getattr(tc, "final_logit_softcapping", None)  # Gemma's, on the LM head's logits
         # Sliding windows: targets with sliding-window layers among full ones (Gemma 3, Qwen2's
         # use_sliding_window) take one mask per layer type; a plain `sliding_window` with no layer
         # types (Mistral, Phi-3) windows every layer. A mask passed in replaces the model's own, so
@@ -981,8 +972,8 @@ class TargetReplica:
 
     def forward(self, input_ids, position_ids, doc_ids):
         """{target_hidden: the concatenated outputs of the target layers the drafter reads
-        (settings.target_layer_ids), [R, L, n*H]} and, with a distillation, the top-k
-        distribution after each position (next_token_top_k)."""
+        (settings.target_layer_ids), [R, L, n*H]; none without layers} and, with a distillation, the
+        top-k distribution after each position (next_token_top_k)."""
         if self.window_layers == "every":
             mask = self.mask(doc_ids, self.sliding_window)
         elif self.window_layers == "some":
@@ -992,12 +983,12 @@ class TargetReplica:
         base = getattr(self.model, self.model.base_model_prefix)
         with collect_layer_outputs(self.model, self.target_layer_ids) as outs, self.use_attention:
             last = base(input_ids=input_ids, attention_mask=mask, position_ids=position_ids, use_cache=False)
-        out = {"target_hidden": torch.cat(outs, dim=-1)}
+        out = {"target_hidden": torch.cat(outs, dim=-1)} if outs else {}
         if self.distillation is not None:
-            d, tc = self.distillation, dm.text_config(self.model.config)
+            d = self.distillation
             out.update(zip(DISTRIBUTION_KEYS, next_token_top_k(
                 last.last_hidden_state, self.model.get_output_embeddings(), d["top_k"], d["temperature"],
-                getattr(tc, "final_logit_softcapping", None))))
+                self.final_softcap)))
         return out
 
     @torch.no_grad()
@@ -2044,8 +2035,9 @@ class HeldOut:
         w, stats, answers, sampled = worker, 0, [], []
         distributions = self.sampled_distributions() if self.settings.eval_temperature > 0 else None
         for i, batch in enumerate(self.validation):
-            inputs = [batch[key].to(w.device) for key in BATCH_KEYS]
-            _, st = w.compute_loss(*[batch[key].to(w.device) for key in w.input_keys])
+            on_device = {key: batch[key].to(w.device) for key in w.input_keys}
+            inputs = [on_device[key] for key in BATCH_KEYS]
+            _, st = w.compute_loss(*on_device.values())
             stats = stats + st.float().cpu()
             taus_of_rows = w.accepted_lengths(*inputs).tolist()
             if distributions is not None:
@@ -2078,11 +2070,9 @@ class HeldOut:
         if self.sampled is None:
             target = self.full_target()
             at_eval_temperature = dict(top_k=self.SAMPLED_TOP_K, temperature=self.settings.eval_temperature)
-            stage = TargetReplica(target, [0], next(target.parameters()).device, stack_mlps=False,
-                                  distillation=at_eval_temperature)
-            with torch.no_grad():
-                self.sampled = [[stage.forward(**{k: batch[k].to(stage.device) for k in TARGET_INPUTS})[k].cpu()
-                                 for k in DISTRIBUTION_KEYS] for batch in self.validation]
+            stage = TargetReplica(target, (), next(target.parameters()).device, stack_mlps=False,
+                                  distillation=at_eval_temperature)  # no features: the distribution alone
+            self.sampled = [[stage.outputs(batch)[k].cpu() for k in DISTRIBUTION_KEYS] for batch in self.validation]
         return self.sampled
 
     def full_target(self):
@@ -2612,7 +2602,7 @@ def main(argv=None):
         if settings.plan:
             print(plan_text(memory_plan(settings, target_config(settings.target_model)), settings))
             return 0
-        if settings.target_devices[0].type == "cuda" or settings.drafter_devices[0].type == "cuda":
+        if cuda_devices(settings):
             check_memory_plan(settings, target_config(settings.target_model))
         return train(settings)
     except UsageError as e:
