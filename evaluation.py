@@ -263,7 +263,7 @@ def evaluate_models(target, tokenizer, drafter, prompts, device, max_new_tokens,
     mismatches = []
     generated = forwards = 0
     tf_taus, tf_gains, lookup_taus = [], [], []
-    per_answer = []  # the drafter's gain at each verification step of each answer
+    per_answer = []  # the target's own tokens and the drafter's gain at each verification step, per answer
     bar = tqdm(total=3 * sum(len(turns) for _, turns in prompts), unit="answer", desc="eval",
                disable=None if show_progress else True)
     for k in range(max(len(turns) for _, turns in prompts)):
@@ -305,7 +305,8 @@ def evaluate_models(target, tokenizer, drafter, prompts, device, max_new_tokens,
                                        "near_tie": tie, "logit_gap": gap})
                 gains[name][category] += gained
                 if name == "drafter":
-                    per_answer.append({"prompt": i, "turn": k, "gains": list(gained)})
+                    per_answer.append({"prompt": i, "turn": k, "target_tokens": list(reference),
+                                       "gains": list(gained)})
                 if files is not None:
                     by_file[name][files[i]] += gained
             taus, replayed = teacher_forced_gains(target, drafter, torch.tensor([ids[j]], device=device), reference)

@@ -30,8 +30,6 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import chat_data  # noqa: E402
-import decoding  # noqa: E402
 import demo_assets  # noqa: E402
 import dflash_model as dm  # noqa: E402
 import engine_defects  # noqa: E402
@@ -192,17 +190,14 @@ def main(argv=None):
         scratch.cleanup()
     accepted, drafts = sum(a for a, _ in per_prompt), sum(d for _, d in per_prompt)
     engine = 1 + accepted / drafts if drafts else float("nan")
-    # one load, for our evaluator and the greedy outputs
-    target = target_model.load_full_target(args.target_model, args.device)
-    # its report is not kept: the drafter's own eval_acceptance.json is the full evaluation's
+    # our evaluator, whose report keeps each answer's greedy tokens and gains; the report is not
+    # kept: the drafter's own eval_acceptance.json is the full evaluation's
     report = evaluation.evaluate_drafter_dir(args.target_model, args.drafter, prompts, args.device, args.max_new_tokens,
-                                             kwargs, log=lambda m: None, target=target, output=os.devnull)
-    our_gains = [a["gains"] for a in sorted(report["per_answer"], key=lambda a: a["prompt"])]
+                                             kwargs, log=lambda m: None, output=os.devnull)
+    answers = sorted(report["per_answer"], key=lambda a: a["prompt"])
+    our_gains = [a["gains"] for a in answers]
     tokenizer = target_model.load_tokenizer(args.target_model)
-    ids = [chat_data.prompt_ids(tokenizer, conversation(t), kwargs) for _, t in prompts]
-    greedy = [tokenizer.decode(t, skip_special_tokens=True)
-              for t, _ in decoding.generate(target, ids, args.max_new_tokens,
-                                      target_model.stop_token_ids(tokenizer, target.generation_config))]
+    greedy = [tokenizer.decode(a["target_tokens"], skip_special_tokens=True) for a in answers]  # our evaluator's
     same = sum(a.strip() == b.strip() for a, b in zip(served, greedy))
     ours = report["acceptance_length"]
     rows = []
