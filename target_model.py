@@ -146,10 +146,12 @@ def register_flex_attention(target_stage=False):
 
 
 class attention_implementation:
-    """Within the block, the model's layers use the named attention (restored after)."""
+    """Within the block, the model's layers (a model's, or a list of models') use the named
+    attention (restored after)."""
 
-    def __init__(self, model, name):
-        self.configs = [c for c in {id(m.config): m.config for m in model.modules()
+    def __init__(self, models, name):
+        models = models if isinstance(models, list) else [models]
+        self.configs = [c for c in {id(m.config): m.config for model in models for m in model.modules()
                                     if hasattr(getattr(m, "config", None), "_attn_implementation")}.values()]
         self.name = name
 

@@ -22,6 +22,7 @@ import errno
 import fcntl
 import glob
 import hashlib
+import itertools
 import json
 import math
 import os
@@ -78,6 +79,9 @@ def build_parser():
     a("--output-dir", default="runs/dflash", help="logs, metrics.jsonl and checkpoints go here")
     a("--target-gpus", default=None, help="e.g. 0,1,2,3,4,5 (or cpu); default: chosen from the visible GPUs")
     a("--drafter-gpus", default=None, help="one drafter worker thread per entry, e.g. 6,7 (repeats and cpu allowed)")
+    a("--target-stages", type=int, default=1,
+      help="decoder-layer stages per target replica, each on the next of --target-gpus (a GPU may repeat): a target "
+      "larger than one GPU splits over K of them; the target GPUs hold (their count / K) replicas")
     a("--token-budget", type=int, default=12288,
       help="tokens per fixed-shape batch (a multiple of --max-length); 4 x 3072 fits an H200 at Qwen3-8B shapes")
     a("--max-length", type=int, default=3072, help="longest sequence; also the row length of a batch")
@@ -457,6 +461,14 @@ def resolve_settings(flags):
             raise ValueError("each layer once: a repeated layer adds nothing the drafter could use")
     except ValueError as e:
         raise UsageError(f"--target-layer-ids {flags.target_layer_ids}: {e}") from None
+    if flags.target_stages < 1 or len(target_devices) % flags.target_stages:
+        raise UsageError(f"--target-stages {flags.target_stages}: each replica takes that many of the "
+                         f"{len(target_devices)} target devices, which it must divide (a GPU may repeat in "
+                         "--target-gpus: '0,0' is two stages on GPU 0)")
+    keep = layers_run(tc.num_hidden_layers, layer_ids, flags.loss != "ce")
+    if flags.target_stages > keep:
+        raise UsageError(f"--target-stages {flags.target_stages}: the target stage runs {keep} decoder layers, at "
+                         "least one a stage")
     target_attention, compile_target = resolve_target_stage(flags, target_devices)
     # planning for GPUs this machine lacks (--plan --gpu-memory): their kind is unknown, and the
     # plan does not depend on the drafter's attention kernel
@@ -489,13 +501,30 @@ def parameter_count(module_fn):
         return sum(p.numel() for p in module_fn().parameters())
 
 
-def target_parameters(config, keep_layers):
-    """The parameters of the target's replica: its first keep_layers decoder layers, embedding,
-    final norm and LM head (a tied head once)."""
+def layers_run(num_layers, target_layer_ids, distillation):
+    """How many decoder layers the target stage runs: up to the deepest the drafter reads; all of
+    them with a distillation, whose distribution is the LM head's."""
+    return num_layers if distillation else max(target_layer_ids) + 1
+
+
+def stage_parameters(config, keep_layers, stages, lm_head):
+    """The parameters each stage of a replica holds (its first keep_layers decoder layers split in
+    `stages`, stage_bounds): its layers; the first also the embedding, every one the base model's
+    small parts (final norm, rotary tables) it runs; the last the LM head if lm_head (a tied head
+    is the embedding's)."""
     from transformers import AutoModelForCausalLM
     config = copy.deepcopy(config)
-    dm.text_config(config).num_hidden_layers = keep_layers
-    return parameter_count(lambda: AutoModelForCausalLM.from_config(config))
+    slice_layers(dm.text_config(config), 0, keep_layers)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    count = lambda module: sum(p.numel() for p in module.parameters())  # noqa: E731
+    layers, embed = decoder_layers(model), model.get_input_embeddings()
+    rest = count(getattr(model, model.base_model_prefix)) - count(layers) - count(embed)
+    head = model.get_output_embeddings()
+    head = count(head) if lm_head and head.weight is not embed.weight else 0
+    bounds = stage_bounds(keep_layers, stages)
+    return [sum(count(layers[i]) for i in range(a, b)) + rest + (count(embed) if k == 0 else 0)
+            + (head if k == stages - 1 else 0) for k, (a, b) in enumerate(zip(bounds, bounds[1:]))]
 
 
 def memory_plan(settings, config):
@@ -509,19 +538,20 @@ def memory_plan(settings, config):
     heads, kv_heads, head_dim = dm.attention_shape(tc)
     T, R, L = s.token_budget, s.rows_per_batch, s.max_length
     n = len(s.target_layer_ids)
-    keep = tc.num_hidden_layers if s.distillation is not None else max(s.target_layer_ids) + 1
+    keep = layers_run(tc.num_hidden_layers, s.target_layer_ids, s.distillation is not None)
     plan = collections.defaultdict(collections.Counter)  # a device listed twice holds its parts twice
 
-    target_weights = 2 * target_parameters(config, keep)
+    stage_weights = [2 * p for p in stage_parameters(config, keep, s.target_stages, s.distillation is not None)]
     # one layer's live set at a time, plus the captured layers' outputs and their concatenation
     target_act = 2 * T * (2 * n * H + 3 * H + (heads + 2 * kv_heads) * head_dim + 3 * I)
     if s.target_attention == "dense":
         target_act += 2 * R * L * L  # the additive document mask
     if s.distillation is not None:  # the LM head a chunk of positions at a time, then the top k
         target_act += 3 * 4 * min(T, 4096) * V + 8 * T * s.distillation["top_k"]
-    for d in cuda_only(s.target_devices):
-        plan[d][TARGET_WEIGHTS] += target_weights
-        plan[d][TARGET_ACTIVATIONS] += target_act
+    for i, d in enumerate(s.target_devices):  # each replica's stages on the next target devices
+        if d.type == "cuda":
+            plan[d][TARGET_WEIGHTS] += stage_weights[i % s.target_stages]
+            plan[d][TARGET_ACTIVATIONS] += target_act
     drafter_cfg = dm.make_drafter_config(config, mask_token_id=0, num_draft_layers=s.num_draft_layers,
                                          block_size=s.block_size, target_layer_ids=s.target_layer_ids)
     drafter_params = parameter_count(lambda: dm.DFlashDraftModel(drafter_cfg))
@@ -568,10 +598,14 @@ def check_memory_plan(settings, config):
         cap = gpu_capacity(settings, device)
         if exact <= cap:
             continue
-        advice = []
-        if parts[TARGET_WEIGHTS] > cap:
-            advice.append("the target's weights alone do not fit one GPU; a replica split over several GPUs is not "
-                          "built yet")
+        advice, s = [], settings
+        keep = layers_run(dm.text_config(config).num_hidden_layers, s.target_layer_ids, s.distillation is not None)
+        if parts[TARGET_WEIGHTS] > 0.9 * cap:
+            stages = next((k for k in range(s.target_stages + 1, keep + 1)
+                           if max(stage_parameters(config, keep, k, s.distillation is not None)) * 2 < 0.8 * cap), None)
+            advice.append("the target's weights do not fit: a replica split over more GPUs "
+                          f"(--target-stages {stages} with that many target GPUs a replica)" if stages else
+                          "the target's weights do not fit even one layer a GPU")
         if DRAFTER_STATE in parts:
             advice.append("fewer draft layers (--num-draft-layers)")
         raise UsageError(f"the memory plan does not fit {device} ({exact / GB:.1f} GB of weights and optimizer state, "
@@ -917,16 +951,98 @@ def next_token_top_k(last_hidden, lm_head, top_k, temperature, softcap=None, chu
 DISTRIBUTION_KEYS = ("target_top_ids", "target_top_probs")  # what the target stage adds for --loss kl/mix
 
 
-class TargetReplica:
-    """A frozen target on one device. With --compile its fixed-shape forward is captured once
-    as a CUDA graph, so the main thread issues a few calls per batch instead of thousands.
-    Its outputs: the features the drafter reads (target_hidden), and with a distillation (--loss
-    kl/mix) the target's next-token distribution as its top k (DISTRIBUTION_KEYS), from the LM
-    head inside the same forward and graph."""
+def stage_bounds(num_layers, stages):
+    """[0, b1, ..., num_layers]: the first decoder layer of each of `stages` contiguous ranges, as
+    equal in layer count as they go."""
+    if not 1 <= stages <= num_layers:
+        raise UsageError(f"--target-stages {stages}: a replica of {num_layers} decoder layers splits into 1 to "
+                         f"{num_layers} stages")
+    return [round(i * num_layers / stages) for i in range(stages + 1)]
 
-    def __init__(self, model, target_layer_ids, device, target_attention="dense", compile_layers=False,
+
+def layers_config(config, first, end):
+    """A copy of a text config made one of decoder layers [first, end) (slice_layers)."""
+    return slice_layers(copy.copy(config), first, end)
+
+
+def on_device(x, device, copy=False):
+    """x (a tensor, a tuple of tensors, or a dict of either) on device; copy: always a new tensor."""
+    if isinstance(x, dict):
+        return {k: on_device(v, device, copy) for k, v in x.items()}
+    if isinstance(x, tuple):
+        return tuple(on_device(v, device, copy) for v in x)
+    return x.to(device, non_blocking=True, copy=copy)
+
+
+def copy_into(static, values):
+    """Each tensor of the dict `values` copied into static's tensor of the same key (a tuple into
+    a tuple), across devices if need be: a CUDA copy between devices is ordered after the work
+    already queued on both devices' current streams, and theirs after it."""
+    for key, buf in static.items():
+        for dst, src in zip(buf, values[key]) if isinstance(buf, tuple) else [(buf, values[key])]:
+            dst.copy_(src, non_blocking=True)
+
+
+class TargetStage:
+    """Decoder layers [first, end) of a target replica, on one device, run by the base model's own
+    forward (its masks, rotary embeddings, per-layer arguments), so every architecture the stage
+    runs whole runs split. The first stage reads the token ids; a later one the hidden states the
+    stage before it passes on: given as inputs_embeds, and put in front of its first layer by a
+    pre-hook too, since some base models scale inputs_embeds (Granite) where they scale the
+    embedding's output. A stage passes on its last layer's output, before the final norm."""
+
+    def __init__(self, model, first, end, device):
+        base = getattr(model, model.base_model_prefix)
+        self.first, self.end, self.device = first, end, device
+        if first == 0 and end == len(base.layers):
+            self.base = base
+            return
+        self.base = copy.copy(base)  # shares base's parameters; a children dict of its own:
+        self.base._modules = dict(base._modules)
+        self.base.config = layers_config(base.config, first, end)
+        self.base.layers = torch.nn.ModuleList(base.layers[first:end])
+        for name, child in base.named_children():
+            # the small parts the forward runs on every stage (the final norm, rotary embeddings)
+            # where this stage's layers are; the embedding is the first stage's alone
+            if name != "layers" and child is not model.get_input_embeddings() and \
+                    any(t.device != device for t in itertools.chain(child.parameters(), child.buffers())):
+                self.base._modules[name] = copy.deepcopy(child).to(device)
+
+    def forward(self, input_ids, hidden, position_ids, attention_mask, captured):
+        """(the outputs of this stage's layers `captured` (its own indices), its last layer's
+        output, the base model's output). hidden: the stage before's output; None on the first."""
+        first_layer = self.base.layers[0]
+
+        def enter(module, args, kwargs):
+            if args:
+                return (hidden, *args[1:]), kwargs
+            return args, {**kwargs, "hidden_states": hidden}
+
+        hook = None if hidden is None else first_layer.register_forward_pre_hook(enter, with_kwargs=True)
+        try:
+            with collect_layer_outputs(self.base, [*captured, len(self.base.layers) - 1]) as outs:
+                out = self.base(input_ids=input_ids if hidden is None else None, inputs_embeds=hidden,
+                                attention_mask=attention_mask, position_ids=position_ids, use_cache=False)
+        finally:
+            if hook is not None:
+                hook.remove()
+        return outs[:-1], outs[-1], out.last_hidden_state
+
+
+class TargetReplica:
+    """A frozen target, whole on one device or split over several as contiguous layer ranges (one
+    TargetStage per device of `devices`; a device may hold several stages). With --compile each
+    stage's fixed-shape forward is captured once as its own CUDA graph, so the main thread issues
+    a few calls per stage and batch; a stage's outputs go to the next stage's device by copies
+    that the devices' streams order, so with several batches in flight every stage's GPU works.
+    Its outputs, on the last stage's device: the features the drafter reads (target_hidden), and
+    with a distillation (--loss kl/mix) the target's next-token distribution as its top k
+    (DISTRIBUTION_KEYS), from the LM head inside the last stage's forward and graph."""
+
+    def __init__(self, model, target_layer_ids, devices, target_attention="dense", compile_layers=False,
                  distillation=None, stack_mlps=True):
-        self.model, self.target_layer_ids, self.device = model, target_layer_ids, device
+        self.devices = [torch.device(d) for d in (devices if isinstance(devices, (list, tuple)) else [devices])]
+        self.model, self.target_layer_ids, self.device = model, target_layer_ids, self.devices[-1]
         self.distillation = distillation
         self.dtype = next(model.parameters()).dtype
         tc = dm.text_config(model.config)
@@ -938,14 +1054,21 @@ class TargetReplica:
         self.window_layers, self.sliding_window = target_windows(tc)
         # The flex BlockMask in the tiles of the kernel that reads it: a partly visible tile is
         # computed whole, so smaller tiles compute fewer masked pairs (10% fewer at Qwen3-8B's batch)
-        options = target_flex_kernel_options(torch.device(device), dm.attention_shape(tc)[2])
+        options = target_flex_kernel_options(self.devices[0], dm.attention_shape(tc)[2])
         self.mask_tile = dm.flex_mask_tile(options)
+        bounds = stage_bounds(len(decoder_layers(model)), len(self.devices))
+        self.stages = [TargetStage(model, a, b, d) for a, b, d in zip(bounds, bounds[1:], self.devices)]
+        # each stage's captured layers (its own indices) in the order they pass along, and where
+        # each of target_layer_ids is in that order
+        self.captured = [[i - s.first for i in target_layer_ids if s.first <= i < s.end] for s in self.stages]
+        passed = [i for s in self.stages for i in target_layer_ids if s.first <= i < s.end]
+        self.order = [passed.index(i) for i in target_layer_ids]
         self.own_attention = model.config._attn_implementation
         self.set_attention(target_attention)
         self.stacked_mlps = stack_gate_up(model) if stack_mlps else 0
         if compile_layers:
             self.set_compiled_layers(True)
-        self.graph, self.static_in, self.static_out = None, None, None
+        self.graphs = None  # per stage: (CUDA graph, static inputs, static outputs)
 
     def set_attention(self, target_attention):
         """dense: the model's own attention (SDPA) under an additive [R, 1, L, L] mask; flex:
@@ -953,7 +1076,7 @@ class TargetReplica:
         without a mask). A captured forward keeps the attention it was captured with."""
         self.target_attention = target_attention
         self.use_attention = attention_implementation(
-            self.model,
+            [self.model] + [s.base for s in self.stages],
             register_flex_attention(target_stage=True) if target_attention == "flex" else self.own_attention)
 
     def set_compiled_layers(self, on):
@@ -970,88 +1093,120 @@ class TargetReplica:
             return document_block_mask(doc_ids, sliding_window, self.mask_tile)
         return document_causal_mask(doc_ids, self.dtype, sliding_window)
 
-    def forward(self, input_ids, position_ids, doc_ids):
-        """{target_hidden: the concatenated outputs of the target layers the drafter reads
-        (settings.target_layer_ids), [R, L, n*H]; none without layers} and, with a distillation, the
-        top-k distribution after each position (next_token_top_k)."""
+    def masks(self, doc_ids):
+        """The attention mask the layers read: per layer type where some layers slide."""
         if self.window_layers == "every":
-            mask = self.mask(doc_ids, self.sliding_window)
-        elif self.window_layers == "some":
-            mask = {"full_attention": self.mask(doc_ids), "sliding_attention": self.mask(doc_ids, self.sliding_window)}
-        else:
-            mask = self.mask(doc_ids)
-        base = getattr(self.model, self.model.base_model_prefix)
-        with collect_layer_outputs(self.model, self.target_layer_ids) as outs, self.use_attention:
-            last = base(input_ids=input_ids, attention_mask=mask, position_ids=position_ids, use_cache=False)
-        out = {"target_hidden": torch.cat(outs, dim=-1)} if outs else {}
-        if self.distillation is not None:
+            return self.mask(doc_ids, self.sliding_window)
+        if self.window_layers == "some":
+            return {"full_attention": self.mask(doc_ids), "sliding_attention": self.mask(doc_ids, self.sliding_window)}
+        return self.mask(doc_ids)
+
+    def run_stage(self, k, inputs, packed=True):
+        """Stage k on inputs on its device: the batch's TARGET_INPUTS and, after the first stage,
+        what the stage before passed on (`hidden`, `captured`). Returns what it passes on, or from
+        the last stage the replica's outputs: {target_hidden: the outputs of the target layers the
+        drafter reads, concatenated, [R, L, n*H]; none without layers} and, with a distillation,
+        the top-k distribution after each position (next_token_top_k). packed=False: one
+        unpacked sequence under the model's own attention and masks (no mask passed in)."""
+        stage = self.stages[k]
+        mask = self.masks(inputs["doc_ids"]) if packed else None
+        mine, last_layer, final = stage.forward(inputs.get("input_ids"), inputs.get("hidden"),
+                                                inputs.get("position_ids"), mask, self.captured[k])
+        captured = (*inputs.get("captured", ()), *mine)
+        if k < len(self.stages) - 1:
+            return {"hidden": last_layer, "captured": captured}
+        out = {"target_hidden": torch.cat([captured[i] for i in self.order], dim=-1)} if captured else {}
+        if self.distillation is not None and packed:
             d = self.distillation
             out.update(zip(DISTRIBUTION_KEYS, next_token_top_k(
-                last.last_hidden_state, self.model.get_output_embeddings(), d["top_k"], d["temperature"],
-                self.final_softcap)))
+                final, self.model.get_output_embeddings(), d["top_k"], d["temperature"], self.final_softcap)))
         return out
+
+    def forward(self, input_ids, position_ids, doc_ids, packed=True):
+        """The replica's outputs (run_stage's) for the batch's inputs, on any device, eagerly."""
+        passed = {}
+        with self.use_attention if packed else contextlib.nullcontext():
+            for k, stage in enumerate(self.stages):
+                inputs = {"position_ids": position_ids, "doc_ids": doc_ids, **passed}
+                if k == 0:
+                    inputs["input_ids"] = input_ids
+                passed = self.run_stage(k, on_device({key: v for key, v in inputs.items() if v is not None},
+                                                     stage.device), packed)
+        return passed
 
     @torch.no_grad()
     def outputs(self, batch):
         """forward's outputs for a batch (a dict holding at least the forward's three inputs)."""
-        if self.graph is None:
-            return self.forward(**{k: batch[k].to(self.device, non_blocking=True) for k in TARGET_INPUTS})
-        for k, buf in self.static_in.items():
-            buf.copy_(batch[k], non_blocking=True)
-        self.graph.replay()
-        return self.static_out  # overwritten by the next replay: the caller copies it
+        if self.graphs is None:
+            return self.forward(**{k: batch[k] for k in TARGET_INPUTS})
+        passed = {}
+        for graph, static_in, static_out in self.graphs:
+            copy_into(static_in, {**batch, **passed})
+            graph.replay()
+            passed = static_out
+        return passed  # overwritten by the next replay: the caller copies it
 
     def target_hidden(self, batch):
         """The features alone of a batch."""
         return self.outputs(batch)["target_hidden"]
 
     def synthetic_batch(self, rows, length):
-        dev = self.device
+        dev = self.devices[0]
         return {"input_ids": torch.randint(0, dm.text_config(self.model.config).vocab_size, (rows, length), device=dev),
                 "position_ids": torch.arange(length, device=dev).repeat(rows, 1),
                 "doc_ids": torch.zeros(rows, length, dtype=torch.long, device=dev)}
 
     @torch.no_grad()
     def capture(self, rows, length):
-        self.static_in = self.synthetic_batch(rows, length)
-        side = torch.cuda.Stream(self.device)
-        side.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(side):
-            for _ in range(2):
-                self.forward(**self.static_in)
-        torch.cuda.current_stream(self.device).wait_stream(side)
-        self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph, stream=side, capture_error_mode="thread_local"):
-            self.static_out = self.forward(**self.static_in)
-        torch.cuda.synchronize(self.device)
+        """Each stage's forward captured as a CUDA graph on its device, on static inputs of its own."""
+        batch, passed, self.graphs = self.synthetic_batch(rows, length), {}, []
+        for k, stage in enumerate(self.stages):
+            static_in = on_device({**{key: batch[key] for key in TARGET_INPUTS if k == 0 or key != "input_ids"},
+                                   **passed}, stage.device, copy=True)
+            side = torch.cuda.Stream(stage.device)
+            side.wait_stream(torch.cuda.current_stream(stage.device))
+            with torch.cuda.stream(side), self.use_attention:
+                for _ in range(2):
+                    self.run_stage(k, static_in)
+            torch.cuda.current_stream(stage.device).wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, stream=side, capture_error_mode="thread_local"), self.use_attention:
+                static_out = self.run_stage(k, static_in)
+            torch.cuda.synchronize(stage.device)
+            self.graphs.append((graph, static_in, static_out))
+            passed = static_out
+
+    @property
+    def graph(self):
+        """Whether the stages replay CUDA graphs (their outputs then are static buffers)."""
+        return self.graphs
 
     def drop_capture(self):
-        """Back to eager forwards; the graph's pool and static buffers are let go."""
-        self.graph = self.static_in = self.static_out = None
+        """Back to eager forwards; the graphs' pools and static buffers are let go."""
+        self.graphs = None
 
 
 @torch.no_grad()
 def stage_against_transformers(replica, batch):
     """The target stage's features of a packed row (the first of a batch: several documents, as
     training sees them) against the model's own forward of each document alone (transformers'
-    attention, no packing mask): per layer the drafter reads, the largest relative error
-    ||stage - forward|| / ||forward|| over the documents. A stage whose masks or kernels compute
-    something else than the model (a window missed, a mask tile wrong) shows here by layer."""
+    attention and masks, no packing mask; the same stages where the replica is split): per layer
+    the drafter reads, the largest relative error ||stage - forward|| / ||forward|| over the
+    documents. A stage whose masks or kernels compute something else than the model (a window
+    missed, a mask tile wrong) shows here by layer."""
     outputs = replica.outputs({k: batch[k][:1] for k in TARGET_INPUTS})["target_hidden"][0].float()
     doc_ids = batch["doc_ids"][0]
-    base = getattr(replica.model, replica.model.base_model_prefix)
-    errors = [0.0] * len(replica.target_layer_ids)
+    n = len(replica.target_layer_ids)
+    errors = [0.0] * n
     for doc in doc_ids.unique().tolist():
         if doc < 0:  # padding
             continue
         at = (doc_ids == doc).nonzero()[:, 0]
-        ids = batch["input_ids"][0, at].to(replica.device)[None]
-        with collect_layer_outputs(replica.model, replica.target_layer_ids) as layers:
-            base(input_ids=ids, use_cache=False)
-        width = outputs.shape[-1] // len(layers)
-        for i, want in enumerate(layers):
+        alone = replica.forward(batch["input_ids"][0, at][None], None, None, packed=False)["target_hidden"][0].float()
+        width = outputs.shape[-1] // n
+        for i in range(n):
             got = outputs[at.to(outputs.device), i * width:(i + 1) * width]
-            want = want[0].float()
+            want = alone[:, i * width:(i + 1) * width].to(got.device)
             errors[i] = max(errors[i], ((got - want).norm() / want.norm().clamp(min=1e-12)).item())
     return dict(zip(replica.target_layer_ids, errors))
 
@@ -1126,31 +1281,91 @@ def warm_up_target(replicas, settings, log):
 
 
 def load_target_replicas(name, devices, target_layer_ids, log=print, target_attention="dense", compile_layers=False,
-                         distillation=None):
-    """One frozen replica per target device, truncated after the deepest layer the drafter reads
-    (whole, with a distillation: its distribution is the LM head's). Also returns the target's
-    embedding module and LM head weight (CPU copies) for the drafters."""
-    from transformers import AutoModelForCausalLM
+                         distillation=None, stages=1):
+    """One frozen replica per `stages` consecutive target devices (one device each: a replica
+    whole; several: split into as many contiguous layer ranges, TargetStage), with only the
+    decoder layers up to the deepest one the drafter reads (all of them and the LM head with a
+    distillation: its distribution is the LM head's). The weights load shard by shard straight
+    onto the device that holds them (transformers' device_map), never the whole model in host
+    memory. Also returns the target's embedding module and LM head weight (CPU copies) for the
+    drafters."""
+    from transformers import AutoConfig
+    path = resolve_model_path(name)
     dtype = torch.bfloat16 if devices[0].type == "cuda" else torch.float32
-    model = AutoModelForCausalLM.from_pretrained(resolve_model_path(name), dtype=dtype, attn_implementation="sdpa")
-    model.eval().requires_grad_(False)
-    n_layers = len(decoder_layers(model))
-    keep = n_layers if distillation is not None else max(target_layer_ids) + 1
-    getattr(model, model.base_model_prefix).layers = decoder_layers(model)[:keep]
-    # The drafters use the target's embedding and LM head; keep a CPU copy, drop the head here.
-    embed = copy.deepcopy(model.get_input_embeddings())
-    head = model.get_output_embeddings().weight.detach().clone()
+    config = AutoConfig.from_pretrained(path)
+    n_layers = dm.text_config(config).num_hidden_layers
+    keep = layers_run(n_layers, target_layer_ids, distillation is not None)
+    if len(devices) % stages:
+        raise UsageError(f"--target-stages {stages} does not divide the {len(devices)} target devices into replicas")
+    tied = getattr(config, "tie_word_embeddings", False)
+    slice_layers(dm.text_config(config), 0, keep)
     replicas = []
-    for i, dev in enumerate(devices):
-        replica = model if i == len(devices) - 1 else copy.deepcopy(model)
-        replicas.append(TargetReplica(replica.to(dev), target_layer_ids, dev, target_attention, compile_layers,
-                                      distillation))
-    log(f"target: {type(model).__name__}, {sum(p.numel() for p in model.parameters()) / 1e9:.2f}B parameters; "
-        f"running {keep} of {n_layers} layers on {[str(d) for d in devices]} in {dtype}; {target_attention} attention"
-        + (", layers compiled" if compile_layers else "") + f"; gate and up stacked in {replicas[0].stacked_mlps} MLPs"
+    for first in range(0, len(devices), stages):
+        on = devices[first:first + stages]
+        # the LM head: the last stage's for a distillation; otherwise only the drafters' copy
+        # (on the host), unless the embedding shares its weight
+        head_device = on[-1] if distillation is not None else on[0] if tied else "cpu"
+        model = load_layers(path, config, n_layers, on, head_device, dtype)
+        if not replicas:
+            embed = copy.deepcopy(model.get_input_embeddings()).cpu()
+            head = model.get_output_embeddings().weight.detach().to("cpu", copy=True)
+        replicas.append(TargetReplica(model, target_layer_ids, on, target_attention, compile_layers, distillation))
+    bounds = stage_bounds(keep, stages)
+    split = "" if stages == 1 else " split " + ", ".join(f"{a}-{b - 1}" for a, b in zip(bounds, bounds[1:]))
+    log(f"target: {type(model).__name__}, {sum(p.numel() for p in model.parameters()) / 1e9:.2f}B parameters "
+        f"loaded a replica; running {keep} of {n_layers} layers{split} on {[str(d) for d in devices]} in {dtype}; "
+        f"{target_attention} attention" + (", layers compiled" if compile_layers else "")
+        + f"; gate and up stacked in {replicas[0].stacked_mlps} MLPs"
         + ("" if distillation is None else "; the LM head's top-{top_k} at temperature {temperature:g} for the "
            "distillation".format(**distillation)))
     return replicas, embed, head
+
+
+def slice_layers(config, first, end):
+    """config (a text config) made one of decoder layers [first, end), in place: every per-layer
+    list (layer_types, ...) sliced, so a base model's forward that indexes them by its loop's
+    counter reads layer first + i's entry for its i-th layer."""
+    n = config.num_hidden_layers
+    for key, value in list(vars(config).items()):
+        if isinstance(value, (list, tuple)) and len(value) == n:
+            setattr(config, key, type(value)(value[first:end]))
+    config.num_hidden_layers = end - first
+    return config
+
+
+def load_layers(path, config, n_layers, devices, head_device, dtype):
+    """The model of `config` (its layers cut to the replica's) from the checkpoint at path: decoder
+    layer i on its stage's device, the embedding and the base model's other parts on the first
+    stage's, the LM head on head_device; the checkpoint's layers above them are not read."""
+    from transformers import AutoModelForCausalLM
+    with torch.device("meta"):
+        meta = AutoModelForCausalLM.from_config(config)
+    keep, prefix = dm.text_config(config).num_hidden_layers, meta.base_model_prefix
+    bounds = stage_bounds(keep, len(devices))
+    device_map = {}
+    for name, child in meta.named_children():
+        if name != prefix:
+            device_map[name] = str(head_device)
+            continue
+        for part, _ in child.named_children():
+            if part != "layers":
+                device_map[f"{prefix}.{part}"] = str(devices[0])
+        for i in range(keep):
+            device_map[f"{prefix}.layers.{i}"] = str(devices[next(k for k in range(len(devices)) if i < bounds[k + 1])])
+    cls = type(meta)
+    above = "|".join(str(i) for i in range(keep, n_layers))
+    ignored = cls._keys_to_ignore_on_load_unexpected
+    # the layers above the replica's are in the checkpoint, not in the model: not read, not reported
+    cls._keys_to_ignore_on_load_unexpected = [*(ignored or ()), *([rf"\blayers\.({above})\."] if above else [])]
+    try:
+        model = cls.from_pretrained(path, config=config, dtype=dtype, attn_implementation="sdpa",
+                                    device_map=device_map)
+    finally:
+        cls._keys_to_ignore_on_load_unexpected = ignored
+    if hasattr(model, "hf_device_map"):  # the stages move tensors between devices themselves
+        from accelerate.hooks import remove_hook_from_module
+        remove_hook_from_module(model, recurse=True)
+    return model.eval().requires_grad_(False)
 
 
 # -----------------------------------------------------------------------------
@@ -2023,7 +2238,7 @@ class HeldOut:
         distillation), once (eager: a captured forward has the training batch's shape)."""
         with torch.no_grad():
             self.validation = [dict(batch, **{k: v.cpu() for k, v in replica.forward(
-                **{k: batch[k].to(replica.device) for k in TARGET_INPUTS}).items()}) for batch in self.validation]
+                **{k: batch[k] for k in TARGET_INPUTS}).items()}) for batch in self.validation]
 
     @torch.no_grad()
     def validate(self, worker, step, tau_hat):
@@ -2501,7 +2716,7 @@ class Trainer:
         s = self.settings
         self.replicas, embed, head = load_target_replicas(s.target_model, s.target_devices, s.target_layer_ids,
                                                           self.log, s.target_attention, s.compile_target,
-                                                          s.distillation)
+                                                          s.distillation, s.target_stages)
         self.drafters = build_drafters(s, self.target_config, embed, head, self.log)
         weights = self.resumed[1] if self.resumed is not None else None
         if s.init_drafter:

@@ -480,6 +480,27 @@ def target_batch_times(a, replica, report):
     return out, reading
 
 
+def split_target_times(a, replica, report):
+    """The target stage as run with --compile (flex, compiled layers, graphed) whole and split in
+    --target-stages stages on the same GPU: what the stage boundaries cost (the copies between
+    stages, a graph launch each), and the largest difference of their features."""
+    batch = synthetic_batch(a, replica.model.config.vocab_size, replica.device)
+    split = tp.TargetReplica(replica.model, replica.target_layer_ids, [replica.device] * a.target_stages,
+                             a.target_attention, stack_mlps=False, distillation=replica.distillation)
+    replica.set_compiled_layers(True)  # the layers are shared: the split replica's are compiled too
+    out, features = {}, []
+    for name, r in (("whole", replica), (f"{a.target_stages} stages", split)):
+        r.capture(a.rows, a.max_length)
+        out[name] = time_cuda(lambda: r.target_hidden(batch), a.iters, replica.device)
+        features.append(r.target_hidden(batch).float().clone())
+        r.drop_capture()
+        torch.cuda.empty_cache()
+        report(f"target {name:9s}: {out[name] * 1e3:8.1f} ms/batch")
+    replica.set_compiled_layers(False)
+    out["largest_difference"] = (features[0] - features[1]).abs().max().item()
+    return out
+
+
 def drafter_threads_scaling(a, cfg, first, devices, embed, head, target_hidden_size, report, steps):
     """Graphed drafter steps/s with one worker thread (`first`, already captured), then one per
     device, gradient averaging included; no target, batches resident on each device."""
@@ -725,6 +746,7 @@ def main():
                    "program, keys a tile, warps, stages), e.g. fwd_rows=128,fwd_warps=8")
     p.add_argument("--target-attention", choices=("dense", "flex"), default="flex",
                    help="the target stage's attention in the sections after 'target' (which times both)")
+    p.add_argument("--target-stages", type=int, default=2, help="split section: stages of the target on one GPU")
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--pipeline-steps", type=int, default=40)
     p.add_argument("--log-interval", type=int, default=10)
@@ -733,7 +755,8 @@ def main():
     p.add_argument("--drafter-gpus", default=None,
                    help="GPU indices of the drafter workers (pipeline section), e.g. 6,7")
     p.add_argument("--step-modes", default="eager,compiled", help="drafter step section: eager, compiled (then graph)")
-    p.add_argument("--skip", default="", help="comma list of sections to skip: step,target,scaling,beside,pipeline")
+    p.add_argument("--skip", default="",
+                   help="comma list of sections to skip: step,target,split,scaling,beside,pipeline")
     p.add_argument("--output-dir", default="/tmp/dflash_bench")
     p.add_argument("--json", default=None, help="write all results here")
     p.add_argument("--profile", default=None,
@@ -813,7 +836,7 @@ def main():
 
     # the target (on the step section's GPU too, when both share one) only where a section runs it
     replica = build_target(cfg, target_dev, layer_ids, a.target_attention, distillation) \
-        if {"target", "beside", "pipeline"} - skip else None
+        if {"target", "split", "beside", "pipeline"} - skip else None
     embed = (torch.randn(cfg.vocab_size, cfg.hidden_size, device=drafter_dev) * 0.02).to(torch.bfloat16)
     head = (torch.randn(cfg.vocab_size, cfg.hidden_size, device=drafter_dev) * 0.02).to(torch.bfloat16)
     dcfg = dm.make_drafter_config(cfg, cfg.vocab_size - 1, a.draft_layers, a.block)
@@ -842,6 +865,14 @@ def main():
             mfu = t_flops * tokens / t / PEAK_FLOPS
             report(f"  target {k}: {tokens / t:,.0f} tokens/s, MFU {mfu:.1%}"
                    + (share_at_clock(mfu, card) if k == "flex compiled graph" else ""))
+    if "split" not in skip:
+        section("split")
+        sp = split_target_times(a, replica, report)
+        results["split"] = sp
+        whole, split = sp["whole"], sp[f"{a.target_stages} stages"]
+        report(f"  target whole {tokens / whole:,.0f} tokens/s, {a.target_stages} stages on one GPU "
+               f"{tokens / split:,.0f} tokens/s ({whole / split:.3f}x); features differ by at most "
+               f"{sp['largest_difference']:.3g}")
     if replica is not None:
         replica.drop_capture()  # its static buffers and pool: the later sections capture their own
     torch.cuda.empty_cache()

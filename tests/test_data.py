@@ -780,3 +780,29 @@ def test_every_common_architecture_is_exact_or_refused_by_name(tmp_path, family,
              "position_ids": torch.cat([torch.arange(n) for n in lengths])[None]}
     errors = tp.stage_against_transformers(replica, batch)
     assert max(errors.values()) < 1e-4, errors
+    # split over two and three stages (one layer each): the same features, and the smoke test's
+    # check holds the split stages against the model's own forward too
+    for stages in (2, 3):
+        (split,), _, _ = tp.load_target_replicas(str(tmp_path / "t"), [torch.device("cpu")] * stages, [0, 2],
+                                                 log=lambda *a: None, stages=stages)
+        assert [(s.first, s.end) for s in split.stages] == list(zip(tp.stage_bounds(3, stages),
+                                                                    tp.stage_bounds(3, stages)[1:]))
+        torch.testing.assert_close(split.target_hidden(batch), replica.target_hidden(batch), rtol=1e-6, atol=1e-6)
+        assert max(tp.stage_against_transformers(split, batch).values()) < 1e-4
+
+
+def test_a_split_stage_starts_from_the_hidden_states_passed_on_even_where_the_model_scales_its_input(tmp_path):
+    """Granite multiplies inputs_embeds inside its base model's forward: a later stage, which is
+    handed the stage before's hidden states as inputs_embeds, must not scale them again. The split
+    replica's features equal the plain transformers forward's layer outputs."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+    config = AutoConfig.for_model("granite", **SMALL, embedding_multiplier=12.0, residual_multiplier=0.5)
+    torch.manual_seed(0)
+    target = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").float().eval()
+    ids = torch.randint(3, 100, (1, 30))
+    with tp.collect_layer_outputs(target, [0, 2]) as want, torch.no_grad():
+        target(input_ids=ids)
+    split = tp.TargetReplica(target, [0, 2], [torch.device("cpu")] * 3, stack_mlps=False)
+    got = split.outputs({"input_ids": ids, "position_ids": torch.arange(30)[None],
+                         "doc_ids": torch.zeros(1, 30, dtype=torch.long)})["target_hidden"]
+    torch.testing.assert_close(got, torch.cat(want, dim=-1), rtol=1e-5, atol=1e-5)

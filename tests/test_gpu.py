@@ -315,7 +315,7 @@ def test_peak_memory_flat_over_500_steps():
     assert torch.cuda.max_memory_allocated() <= after_warmup * 1.001
 
 
-@pytest.mark.parametrize("layout", ["shared", "one_target_two_drafters", "one_plus_one"])
+@pytest.mark.parametrize("layout", ["shared", "one_target_two_drafters", "one_plus_one", "target_in_two_stages"])
 def test_pipeline_compiled_end_to_end(tmp_path, tiny_model_dir, layout):
     import json
     import os
@@ -323,13 +323,14 @@ def test_pipeline_compiled_end_to_end(tmp_path, tiny_model_dir, layout):
     from conftest import write_jsonl
     n = torch.cuda.device_count()
     t, d = {"shared": ("0", "0"), "one_target_two_drafters": ("0", "0,0" if n < 2 else "1,1"),
-            "one_plus_one": ("0", "1")}[layout]
+            "one_plus_one": ("0", "1"), "target_in_two_stages": ("0,0", "0")}[layout]
+    stages = ["--target-stages", "2"] if layout == "target_in_two_stages" else []
     if layout == "one_plus_one" and n < 2:
         pytest.skip("needs 2 GPUs")
     data = write_jsonl(tmp_path / "d.jsonl", chat_rows(80))
     rc = tp.main(pipeline_args(tmp_path / "o", tiny_model_dir, data, "--token-budget", "512", "--max-steps", "20",
                                "--log-interval", "5", "--target-gpus", t, "--drafter-gpus", d, "--compile",
-                               "--eval-interval", "10", "--val-fraction", "0.2", "--val-rows", "2"))
+                               "--eval-interval", "10", "--val-fraction", "0.2", "--val-rows", "2", *stages))
     assert rc == 0
     with open(tmp_path / "o" / "metrics.jsonl") as f:
         m = [json.loads(l) for l in f]
@@ -547,6 +548,37 @@ def test_flex_target_stage_equals_dense_graphed_and_eager(head_dim):
     fused.capture(2, 640)
     for b in (first, second):
         check(fused, b)
+
+
+@pytest.mark.parametrize("distill", [False, True])
+def test_a_split_target_on_one_gpu_equals_the_whole_one_graphed(distill):
+    """Two stages on the same GPU, flex attention, the layers compiled and each stage captured as
+    its own CUDA graph, replayed with new documents: the whole replica's features (and with a
+    distillation its top-k distribution); the same kernels run, so within bf16 rounding at most."""
+    from conftest import tiny_target
+    model = tiny_target(arch="llama", dtype=torch.bfloat16, init_std=0.15, layers=4,
+                        head_dim=128).to("cuda").requires_grad_(False)
+    distillation = dict(top_k=8, temperature=1.0) if distill else None
+    whole = tp.TargetReplica(model, [0, 2], torch.device("cuda:0"), "flex", compile_layers=True,
+                             distillation=distillation)
+    split = tp.TargetReplica(model, [0, 2], [torch.device("cuda:0")] * 2, "flex", stack_mlps=False,
+                             distillation=distillation)
+    assert [(s.first, s.end) for s in split.stages] == [(0, 2), (2, 4)]
+    whole.capture(2, 640)
+    split.capture(2, 640)
+    g = torch.Generator().manual_seed(0)
+    for _ in range(2):
+        doc = (torch.arange(640) >= torch.randint(1, 639, (1,), generator=g)).long().repeat(2, 1)
+        pos = torch.cat([torch.arange(int((doc[0] == 0).sum())), torch.arange(int((doc[0] == 1).sum()))])
+        b = {"input_ids": torch.randint(0, 290, (2, 640), generator=g), "doc_ids": doc,
+             "position_ids": torch.stack([pos, pos])}
+        want = {k: v.clone() for k, v in whole.outputs(b).items()}
+        got = split.outputs(b)
+        assert set(got) == set(want)
+        for k in want:
+            print(k, "largest difference", (got[k].float() - want[k].float()).abs().max().item())
+            torch.testing.assert_close(got[k], want[k])
+        assert torch.isfinite(want["target_hidden"]).all()
 
 
 @pytest.mark.parametrize("attention", ["triton", "flex"])

@@ -101,6 +101,24 @@ def test_replicas_stay_identical(tmp_path, tiny_model_dir, monkeypatch):
     assert not all(torch.equal(a, b) for a, b in zip(snapshots[0][1][0], snapshots[-1][1][0]))
 
 
+@pytest.mark.parametrize("stages", [2, 3])
+def test_a_target_split_in_stages_trains_exactly_like_one_replica(tmp_path, tiny_model_dir, stages):
+    """The same run with the target whole and split over two or three stages (the CPU standing
+    for each stage's GPU): the same losses at every step and the same final drafter."""
+    from safetensors.torch import load_file
+    data = write_jsonl(tmp_path / "d.jsonl", chat_rows(40))
+    common = ["--drafter-gpus", "cpu", "--max-steps", "3", "--log-interval", "1", "--target-layer-ids", "1,3"]
+    assert tp.main(pipeline_args(tmp_path / "whole", tiny_model_dir, data, "--target-gpus", "cpu", *common)) == 0
+    assert tp.main(pipeline_args(tmp_path / "split", tiny_model_dir, data, "--target-gpus", ",".join(["cpu"] * stages),
+                                 "--target-stages", str(stages), *common)) == 0
+    losses = [[r["loss"] for r in map(json.loads, open(tmp_path / run / "metrics.jsonl")) if "loss" in r]
+              for run in ("whole", "split")]
+    assert len(losses[0]) == 3 and losses[0] == pytest.approx(losses[1], rel=1e-6, abs=0)
+    whole, split = (load_file(tmp_path / run / "final" / "model.safetensors") for run in ("whole", "split"))
+    for name in whole:
+        torch.testing.assert_close(split[name], whole[name], rtol=1e-5, atol=1e-6)
+
+
 def test_resume_equals_uninterrupted(tmp_path, tiny_model_dir):
     data = write_jsonl(tmp_path / "d.jsonl", chat_rows(40))
     common = ["--target-gpus", "cpu", "--drafter-gpus", "cpu,cpu", "--max-steps", "8", "--log-interval", "1",
@@ -1098,13 +1116,22 @@ def test_the_memory_plan_of_a_70b_target_on_a_laptop(tmp_path, capsys):
     H, I, V, kv = 8192, 28672, 128256, 8 * 128
     layer = 2 * H * H + 2 * H * kv + 3 * H * I + 2 * H  # q, o; k, v; the MLP; two norms
     layers = dm.default_target_layer_ids(80, 5)
-    target_gb = 2 * ((max(layers) + 1) * layer + 2 * V * H + H) / 2**30  # + embedding, LM head, final norm
+    target_gb = 2 * ((max(layers) + 1) * layer + V * H + H) / 2**30  # + embedding, final norm (the LM head: host)
     draft_layer = layer + 2 * 128  # + q_norm, k_norm
     drafter_gb = 16 * (5 * draft_layer + 5 * H * H + 2 * H) / 2**30  # + fc over 5 target layers, two norms
     assert f"    target weights: {target_gb:.2f} GB" in out, out
     assert f"    drafter weights, gradient and AdamW state: {drafter_gb:.2f} GB" in out, out
     assert out.count("DOES NOT FIT") == 8 and "cuda:7:" in out
     assert config.num_hidden_layers == 80  # nothing loaded, nothing changed
+    # split in three stages: two replicas, each over three GPUs, its layers cut as stage_bounds says
+    assert tp.main(argv[:-1] + ["--target-stages", "3", "--plan"]) == 0
+    out = capsys.readouterr().out
+    bounds = tp.stage_bounds(max(layers) + 1, 3)
+    stage_gb = [2 * ((b - a) * layer + H + (V * H if k == 0 else 0)) / 2**30
+                for k, (a, b) in enumerate(zip(bounds, bounds[1:]))]
+    for gpu in range(6):
+        block = out.split(f"cuda:{gpu}:")[1].split("cuda:")[0]
+        assert f"    target weights: {stage_gb[gpu % 3]:.2f} GB" in block and "DOES NOT FIT" not in block, block
 
 
 def test_a_layout_whose_weights_cannot_fit_is_refused_before_loading(tmp_path):
@@ -1112,7 +1139,8 @@ def test_a_layout_whose_weights_cannot_fit_is_refused_before_loading(tmp_path):
     settings = tp.Settings.of_flags(["--target-model", str(tmp_path / "l70"), "--gpu-memory", "80"],
                                     target_devices=[torch.device("cuda", 0)], drafter_devices=[torch.device("cuda", 1)],
                                     target_layer_ids=dm.default_target_layer_ids(80, 5), target_attention="flex")
-    with pytest.raises(chat_data.UsageError, match="does not fit cuda:0.*target's weights alone do not fit one GPU"):
+    with pytest.raises(chat_data.UsageError, match="does not fit cuda:0.*target's weights do not fit: a replica split "
+                       "over more GPUs \\(--target-stages 3 "):
         tp.check_memory_plan(settings, tp.target_config(str(tmp_path / "l70")))
     small = settings.replace(gpu_memory=400.0)  # an imaginary 400 GB card holds either stage
     assert set(tp.check_memory_plan(small, tp.target_config(str(tmp_path / "l70")))) == {torch.device("cuda", 0),
