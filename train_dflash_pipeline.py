@@ -1256,9 +1256,13 @@ def budget_error(stage, device, settings, warm, one_row_step, drop_capture):
         if fits:
             break
         rows = int(rows * 0.85)
-    return (f"--token-budget {settings.token_budget} does not fit the {stage} on {device} ({per_row / 2**30:.1f} GB "
-            f"per row of {settings.max_length}); the largest that fits is about "
-            f"--token-budget {rows * settings.max_length}")
+    said = f"--token-budget {settings.token_budget} does not fit the {stage} on {device} ({per_row / 2**30:.1f} GB " \
+        f"per row of {settings.max_length})"
+    if rows == 0:  # not even one row: a row holds less, or is shorter
+        fewer = "fewer anchors a row (--num-anchors " + str(settings.num_anchors) + ")" if stage == "drafter step" \
+            else "more stages a replica (--target-stages), fewer target layers read (--target-layer-ids)"
+        return f"{said}; not even one row fits: {fewer} or a shorter --max-length"
+    return f"{said}; the largest that fits is about --token-budget {rows * settings.max_length}"
 
 
 def warm_up_target(replicas, settings, log):

@@ -367,6 +367,21 @@ def fake_gpu_memory(monkeypatch):
     return peak
 
 
+@pytest.mark.parametrize("stage", ["target stage", "drafter step"])
+def test_a_row_too_long_for_the_gpu_is_refused_naming_what_would_fit(fake_gpu_memory, stage):
+    """Long rows (--max-length 32768) where not even one row fits: the refusal names the knobs
+    that shrink a row's memory (anchors for the drafter step), not a token budget of 0."""
+    L = 32768
+    fake_gpu_memory["bytes"] = 200 * GB  # one row's peak, above the 100 GB free
+    settings = types.SimpleNamespace(token_budget=L, max_length=L, num_anchors=5461)
+
+    def warm(rows):
+        raise torch.cuda.OutOfMemoryError("fake: out of memory")
+    error = tp.budget_error(stage, "cuda:0", settings, warm, lambda: None, lambda: None)
+    assert "not even one row fits" in error and "--max-length" in error and "--token-budget 0" not in error
+    assert ("--num-anchors 5461" in error) == (stage == "drafter step"), error
+
+
 def test_out_of_memory_at_start_up_names_a_budget_that_was_tried(fake_gpu_memory):
     # 1 GB per row by the one-row measurement, but a capture of more than 70 rows runs out of
     # memory (on an H200 a capture did not fit the one-row estimate). The estimate, 90 rows, is
