@@ -272,6 +272,85 @@ class BatchDecoder:
         self.next_pos += keep
 
 
+class ModelDecoder:
+    """The decoder for targets the batched decoder does not compute (check_batchable): the same
+    interface as BatchDecoder (rows, slots, verified tokens, step and advance), but every step is
+    the model's own forward, with its own attention and masks and no cache, over each live row's
+    verified tokens and the step's q tokens. Exact for any architecture transformers runs;
+    quadratic in an answer's length, so slower."""
+
+    def __init__(self, model, batch, slots, layer_ids=()):
+        p = next(model.parameters())
+        self.model, self.B, self.S, self.device, self.layer_ids = model, batch, slots, p.device, list(layer_ids)
+        self.pad = torch.zeros(batch, dtype=torch.long, device=p.device)
+        self.next_pos = torch.zeros(batch, dtype=torch.long, device=p.device)
+        self.live = torch.ones(batch, dtype=torch.bool, device=p.device)
+        self.slot = torch.arange(slots, device=p.device)
+        self.tokens = [[] for _ in range(batch)]  # each row's verified tokens
+        self.last = None  # the last step's tokens, which advance() keeps some of
+
+    def _forward(self, ids):
+        """(logits [L, V], features [L, F] or None) of one row's tokens."""
+        with collect_layer_outputs(self.model, self.layer_ids) as hidden:
+            logits = self.model(input_ids=torch.tensor([ids], device=self.device), use_cache=False).logits[0]
+        return logits, (torch.cat(hidden, -1)[0] if self.layer_ids else None)
+
+    def prefill(self, prompts, rows=None):
+        """As BatchDecoder.prefill: the prompts' logits at their last token [n, V] and features
+        [n, P, F] left-padded to the longest (P), or None."""
+        if rows is None:
+            prompts = list(prompts) + [prompts[0]] * (self.B - len(prompts))
+            rows = list(range(self.B))
+        P = max(len(p) for p in prompts)
+        if P > self.S:
+            raise ValueError(f"a prompt of {P} tokens does not fit {self.S} cache slots")
+        logits, hidden = [], []
+        for r, prompt in zip(rows, prompts):
+            lg, ft = self._forward(list(prompt))
+            logits.append(lg[-1])
+            if ft is not None:
+                hidden.append(F.pad(ft, (0, 0, P - len(prompt), 0)))
+            self.tokens[r] = list(prompt)
+            self.pad[r], self.next_pos[r] = P - len(prompt), len(prompt)
+        return torch.stack(logits), (torch.stack(hidden) if self.layer_ids else None)
+
+    def prompt_positions(self, P, pad=None):
+        pad = self.pad if pad is None else pad
+        return (torch.arange(P, device=self.device)[None] - pad[:, None]).clamp(min=0)
+
+    def release(self):
+        self.tokens = [[] for _ in range(self.B)]
+
+    def verified(self):
+        return (self.slot[None] >= self.pad[:, None]) & (self.slot[None] < (self.pad + self.next_pos)[:, None])
+
+    def step(self, ids):
+        """ids [B, q] right after each row's verified tokens; (logits [B, q, V], features [B, q, F]
+        or None); a row that is not live gets zeros."""
+        q, self.last = ids.shape[1], ids.tolist()
+        logits, hidden = None, None
+        for r, live in enumerate(self.live.tolist()):
+            if not live:
+                continue
+            lg, ft = self._forward(self.tokens[r] + self.last[r])
+            if logits is None:
+                logits = lg.new_zeros(self.B, q, lg.shape[-1])
+                hidden = None if ft is None else ft.new_zeros(self.B, q, ft.shape[-1])
+            logits[r] = lg[-q:]
+            if ft is not None:
+                hidden[r] = ft[-q:]
+        if logits is None:  # no live row: nothing is read
+            V = text_config(self.model.config).vocab_size
+            logits = torch.zeros(self.B, q, V, device=self.device)
+        return logits, hidden
+
+    def advance(self, keep):
+        """Each row keeps the first keep[r] of the q tokens the last step appended."""
+        for r, k in enumerate(keep.tolist()):
+            self.tokens[r] += self.last[r][:k]
+        self.next_pos += keep
+
+
 def token_probs(logits, temperature, top_p=1.0):
     """[..., V] logits -> the distribution sampling draws from: softmax at the temperature, cut to
     the smallest set of tokens that reaches top_p (nucleus), renormalised."""
@@ -368,6 +447,12 @@ def decoder_batches(model, prompts, batch_size, new_slots, layer_ids=(), graph=T
     is let go); with flex attention, which reads only the slots each row uses, one decoder for
     every prompt, its slots rounded to 1024 (few shapes to compile), its rows refilled across
     lengths."""
+    try:
+        check_batchable(model.config)
+    except ValueError:  # the model's own forward decodes it, every prompt in one decoder
+        yield sorted(range(len(prompts)), key=lambda i: len(prompts[i])), ModelDecoder(
+            model, min(batch_size, len(prompts)), slots_for(max(map(len, prompts)), new_slots), layer_ids)
+        return
     if decode_attention == "flex":
         plan = one_decoder_batch(prompts, batch_size, slots_for(max(map(len, prompts)), new_slots, granule=1024),
                                  *cache_plan(model))

@@ -19,7 +19,7 @@ import torch
 
 import dflash_model as dm
 from chat_data import BadRow, DocumentStats, jsonl_rows, prompt_ids, row_to_messages
-from decoding import generate, lookup_accepted, speculative_generate
+from decoding import check_batchable, generate, lookup_accepted, speculative_generate
 from demo_assets import BUILTIN_MODEL, mtbench_file
 from target_model import collect_layer_outputs, load_full_target, load_tokenizer, stop_token_ids
 
@@ -254,6 +254,10 @@ def evaluate_models(target, tokenizer, drafter, prompts, device, max_new_tokens,
     target's own sample, and outputs are not compared token for token (lossless: None). files:
     each prompt's file, for the per-file figures."""
     from tqdm import tqdm
+    try:
+        check_batchable(target.config)
+    except ValueError as e:
+        log(f"eval: {e}; the model's own forward decodes every step instead (exact, slower)")
     stop = stop_token_ids(tokenizer, target.generation_config)
     gains = {"drafter": defaultdict(list), "lookup": defaultdict(list)}
     by_file = {"drafter": defaultdict(list), "lookup": defaultdict(list)}

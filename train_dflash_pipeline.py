@@ -44,10 +44,10 @@ import torch
 import dflash_model as dm
 from chat_data import UsageError, load_corpus, parse_chat_template_kwargs, parse_data_fields, render_chat, \
     resolve_data_paths, special_token_ids
-from decoding import check_batchable, token_probs
+from decoding import token_probs
 from demo_assets import BUILTIN_DATA, BUILTIN_MODEL, BUILTIN_REGENERATED
 from evaluation import accepted_lengths_everywhere, drafter_target_mismatches, evaluate_drafter_dir, evaluate_models, \
-    has_heldout_prompts, heldout_prompts, heldout_prompts_file, replayed_over_answers
+    heldout_prompts, heldout_prompts_file, replayed_over_answers
 from flat_adamw import FlatAdamW, GradInto, WeightGradsIntoBuffer, flat_views
 from plots import write_plots
 from regeneration import regenerated_builtin_data
@@ -400,18 +400,6 @@ def target_config(name):
     return config
 
 
-def check_evaluation_can_run(flags, config):
-    """A run whose evaluations (final, --eval-interval) the batched decoder cannot compute for this
-    target is refused before it trains, naming why, rather than failing after its last step."""
-    if not (flags.eval_prompts > 0 or flags.eval_interval > 0) or not has_heldout_prompts(flags):
-        return
-    try:
-        check_batchable(config)
-    except ValueError as e:
-        raise UsageError(f"the final evaluation cannot run on this target ({e}); pass --eval-prompts 0 and "
-                         "--eval-interval 0 to train without it") from None
-
-
 def resolve_drafter_attention(choice, devices, tc, block_size):
     """The drafter's training attention: --drafter-attention's choice, auto resolved for the
     devices and shapes. On Hopper GPUs (where their settings were chosen) the Triton kernels make
@@ -449,7 +437,6 @@ def resolve_settings(flags):
         raise UsageError("--compile captures CUDA graphs and needs GPU drafter devices; drop it on CPU")
     config = target_config(flags.target_model)
     tc = dm.text_config(config)
-    check_evaluation_can_run(flags, config)
     if flags.loss != "ce" and flags.distill_top_k > tc.vocab_size:
         raise UsageError(f"--distill-top-k {flags.distill_top_k} is larger than the target's vocabulary "
                          f"({tc.vocab_size})")
