@@ -108,13 +108,16 @@ class FlatAdamW(torch.optim.AdamW):
 
     BLOCK, WARPS = 1024, 4  # the fastest of 5 settings (scripts/experiments/flat_adamw.py)
 
-    def __init__(self, params, flat_grad, lr, weight_decay):
+    def __init__(self, params, flat_grad, lr, weight_decay, flat_param=None, weight_bf16=None):
+        """flat_param, weight_bf16: the buffers (views) to keep the fp32 weights and their bf16
+        copy in, holding params' values; by default its own, filled from params."""
         params = list(params)
         super().__init__(params, lr=lr, weight_decay=weight_decay, capturable=True, foreach=False)
         self.flat_grad = flat_grad
-        self.flat_param = torch.cat([p.detach().reshape(-1) for p in params])
+        self.flat_param = torch.cat([p.detach().reshape(-1) for p in params]) if flat_param is None else flat_param
         self.exp_avg, self.exp_avg_sq = torch.zeros_like(self.flat_param), torch.zeros_like(self.flat_param)
-        self.weight_bf16 = torch.empty_like(self.flat_param, dtype=torch.bfloat16)
+        self.weight_bf16 = torch.empty_like(self.flat_param, dtype=torch.bfloat16) if weight_bf16 is None \
+            else weight_bf16
         self.steps = torch.zeros(len(params), device=flat_grad.device)  # one per parameter, as torch keeps them
         for p, view in zip(params, flat_views(self.flat_param, params)):
             p.data = view

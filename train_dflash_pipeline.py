@@ -79,6 +79,10 @@ def build_parser():
     a("--output-dir", default="runs/dflash", help="logs, metrics.jsonl and checkpoints go here")
     a("--target-gpus", default=None, help="e.g. 0,1,2,3,4,5 (or cpu); default: chosen from the visible GPUs")
     a("--drafter-gpus", default=None, help="one drafter worker thread per entry, e.g. 6,7 (repeats and cpu allowed)")
+    a("--shard-optimizer", action=argparse.BooleanOptionalAction, default=None,
+      help="each drafter worker of this machine keeps and updates the AdamW moments of its share of the drafter's "
+      "parameters alone (a large drafter's state split over the drafter GPUs; the same training); default: on "
+      "where the memory plan needs it")
     a("--target-stages", type=int, default=1,
       help="decoder-layer stages per target replica, each on the next of --target-gpus (a GPU may repeat): a target "
       "larger than one GPU splits over K of them; the target GPUs hold (their count / K) replicas")
@@ -546,8 +550,11 @@ def memory_plan(settings, config):
     context = 2 * T * (2 * n * H + 2 * H + 4 * kv_heads * head_dim * s.num_draft_layers)
     blocks = 2 * P * s.num_draft_layers * (4 * H + 3 * heads * head_dim + 4 * kv_heads * head_dim + 3 * I)
     head = 2 * min(s.ce_chunk_size, P) * V * (3 if s.distillation is not None else 1) + 2 * P * H
+    # fp32 weights, their bf16 copy and the bf16 gradient on every worker; the two fp32 moments
+    # on every worker, or split over them (--shard-optimizer)
+    per_param = 8 + 8 / (len(s.drafter_devices) if s.shard_optimizer else 1)
     for d in cuda_only(s.drafter_devices):
-        plan[d][DRAFTER_STATE] += 16 * drafter_params
+        plan[d][DRAFTER_STATE] += int(per_param * drafter_params)
         plan[d][FROZEN_PARTS] += 2 * 2 * V * H
         plan[d][DRAFTER_ACTIVATIONS] += context + blocks + head
     return dict(plan)
@@ -594,10 +601,33 @@ def check_memory_plan(settings, config):
                           f"(--target-stages {stages} with that many target GPUs a replica)" if stages else
                           "the target's weights do not fit even one layer a GPU")
         if DRAFTER_STATE in parts:
+            if not s.shard_optimizer and len(s.drafter_devices) > 1:
+                advice.append(f"--shard-optimizer (the AdamW moments split over the {len(s.drafter_devices)} drafter "
+                              "workers)")
             advice.append("fewer draft layers (--num-draft-layers)")
         raise UsageError(f"the memory plan does not fit {device} ({exact / GB:.1f} GB of weights and optimizer state, "
                          f"{cap / GB:.1f} GB on the GPU): {'; '.join(advice)}\n{plan_text(plan, settings)}")
     return plan
+
+
+def resolve_sharding(settings, config):
+    """--shard-optimizer's default: on where the plan of the drafter GPUs (their activations'
+    estimate included) does not fit with every worker keeping the whole optimizer state (said),
+    off elsewhere: a split state costs a copy of each share to the other workers every step."""
+    if settings.shard_optimizer is not None:
+        return settings
+    drafters = cuda_only(settings.drafter_devices)
+    if len(settings.drafter_devices) < 2 or not drafters:
+        return settings.replace(shard_optimizer=False)
+    try:
+        whole = memory_plan(settings.replace(shard_optimizer=False), config)
+    except Exception:  # noqa: BLE001  (a target the meta device cannot build: check_memory_plan says so)
+        return settings.replace(shard_optimizer=False)
+    needed = any(sum(whole[d].values()) > gpu_capacity(settings, d) for d in drafters)
+    if needed:
+        print(f"note: --shard-optimizer on: the drafter GPUs' plan does not fit with the whole optimizer state on "
+              f"each; the AdamW moments are split over the {len(settings.drafter_devices)} workers")
+    return settings.replace(shard_optimizer=needed)
 
 
 def cuda_only(devices):
@@ -1304,7 +1334,7 @@ def load_target_replicas(name, devices, target_layer_ids, log=print, target_atte
     bounds = stage_bounds(keep, stages)
     split = "" if stages == 1 else " split " + ", ".join(f"{a}-{b - 1}" for a, b in zip(bounds, bounds[1:]))
     log(f"target: {type(model).__name__}, {sum(p.numel() for p in model.parameters()) / 1e9:.2f}B parameters "
-        f"loaded a replica; running {keep} of {n_layers} layers{split} on {[str(d) for d in devices]} in {dtype}; "
+        f"a replica; running {keep} of {n_layers} layers{split} on {[str(d) for d in devices]} in {dtype}; "
         f"{target_attention} attention" + (", layers compiled" if compile_layers else "")
         + f"; gate and up stacked in {replicas[0].stacked_mlps} MLPs"
         + ("" if distillation is None else "; the LM head's top-{top_k} at temperature {temperature:g} for the "
@@ -1384,6 +1414,15 @@ def compile_every_worker_or_fail():
     cfg.fail_on_recompile_limit_hit = True
 
 
+def shard_ranges(params, shards):
+    """[(first, end)] parameter index ranges of `shards` contiguous shares, as equal in elements
+    as whole parameters allow (--shard-optimizer: each worker updates one)."""
+    at = [0, *itertools.accumulate(p.numel() for p in params)]
+    cuts = [0] + [min(range(1, len(params)), key=lambda i: abs(at[i] - k * at[-1] / shards)) for k in range(1, shards)]
+    cuts = [max(c, cuts[k - 1] + 1) if k else c for k, c in enumerate(cuts)]  # each share at least one parameter
+    return list(zip(cuts, cuts[1:] + [len(params)]))
+
+
 class DrafterWorker:
     """Owns a drafter replica, its stream, optimizer and flat gradient buffer. Each step is
     forward+backward -> gradient averaging -> clip + AdamW. With --compile the step is compiled,
@@ -1410,10 +1449,24 @@ class DrafterWorker:
                                      dtype=torch.bfloat16 if flat_adamw else torch.float32)
         # A tensor learning rate, so a captured optimizer step reads the scheduled value.
         self.lr = torch.tensor(settings.lr, device=device) if cuda else settings.lr
-        self.optimizer = FlatAdamW(params, self.flat_grad, self.lr, settings.weight_decay) if flat_adamw \
-            else torch.optim.AdamW(params, lr=self.lr, weight_decay=settings.weight_decay,
-                                   **(dict(fused=True, capturable=True) if cuda else dict(foreach=True)))
-        copies = self.optimizer.bf16_weights if flat_adamw else [None] * len(params)
+        # --shard-optimizer: this worker's AdamW updates its share of the parameters alone (their
+        # moments live here only), then every worker takes each share from its owner (gather)
+        self.params = params
+        self.shards = shard_ranges(params, averager.num_workers) if settings.shard_optimizer else [(0, len(params))]
+        first, end = self.shards[rank] if settings.shard_optimizer else self.shards[0]
+        at = [0, *itertools.accumulate(p.numel() for p in params)]
+        owned, (a, b) = params[first:end], (at[first], at[end])
+        if flat_adamw:  # the weights of every share in flat fp32 and bf16 buffers, the owned ones updated
+            self.flat_param = torch.cat([p.detach().reshape(-1) for p in params])
+            self.weight_bf16 = self.flat_param.to(torch.bfloat16)
+            for p, view in zip(params, flat_views(self.flat_param, params)):
+                p.data = view
+            self.optimizer = FlatAdamW(owned, self.flat_grad[a:b], self.lr, settings.weight_decay,
+                                       self.flat_param[a:b], self.weight_bf16[a:b])
+        else:
+            self.optimizer = torch.optim.AdamW(owned, lr=self.lr, weight_decay=settings.weight_decay,
+                                               **(dict(fused=True, capturable=True) if cuda else dict(foreach=True)))
+        copies = flat_views(self.weight_bf16, params) if flat_adamw else [None] * len(params)
         matmul_weights = {f"{m}.weight" for m, mod in drafter.named_modules() if isinstance(mod, torch.nn.Linear)}
         self.grad_into = []  # (name, parameter, its gradient's view, its bf16 copy or None), for compute_loss
         for (name, p), into, bf16 in zip(drafter.named_parameters(), flat_views(self.flat_grad, params), copies):
@@ -1478,11 +1531,33 @@ class DrafterWorker:
             self.optimizer.step()
         return grad_norm
 
+    def shard(self, i):
+        """The weights of share i (the parameters self.shards[i]): the flat buffers' slices, or
+        the parameters themselves."""
+        first, end = self.shards[i]
+        if not hasattr(self, "flat_param"):
+            return [p.detach() for p in self.params[first:end]]
+        at = [0, *itertools.accumulate(p.numel() for p in self.params)]
+        return [self.flat_param[at[first]:at[end]], self.weight_bf16[at[first]:at[end]]]
+
+    def optimizer_state(self):
+        """This worker's AdamW state, numbered over all the parameters (its share's first index
+        added), so the shares' states merge into the state of one unsharded AdamW."""
+        state = self.optimizer.state_dict()
+        first = self.shards[self.rank][0] if self.settings.shard_optimizer else 0
+        return {"state": {first + k: v for k, v in state["state"].items()},
+                "param_groups": [{**g, "params": [first + k for k in g["params"]]} for g in state["param_groups"]]}
+
     def load_optimizer_state(self, state):
-        """Moments and step counts from a checkpoint. The group settings stay this worker's:
+        """Moments and step counts from a checkpoint (an unsharded AdamW's state: with
+        --shard-optimizer this worker's share of it). The group settings stay this worker's:
         load_state_dict would replace them with the saved ones, among them a copy of the lr
         tensor, and the captured update would then never see the schedule again."""
         own = {k: v for k, v in self.optimizer.param_groups[0].items() if k != "params"}
+        if self.settings.shard_optimizer:
+            first, end = self.shards[self.rank]
+            state = {"state": {k - first: v for k, v in state["state"].items() if first <= k < end},
+                     "param_groups": [{**g, "params": list(range(end - first))} for g in state["param_groups"]]}
         self.optimizer.load_state_dict(copy.deepcopy(state))  # a copy: same-device tensors are kept as they are
         self.optimizer.param_groups[0].update(own)
 
@@ -1504,6 +1579,7 @@ class DrafterWorker:
             loss, stats = self.forward_backward([noise if k == "anchor_noise" else batch[k] for k in self.input_keys])
             self.averager.average(self.rank, self.flat_grad)
             grad_norm = self.clip_and_update()
+            self.averager.gather(self.rank, self)
         else:
             for k, buf in zip(self.input_keys, self.static):
                 if k == "anchor_noise":
@@ -1514,6 +1590,7 @@ class DrafterWorker:
             if len(self.graphs) > 1:
                 self.averager.average(self.rank, self.flat_grad)
                 self.graphs[1].replay()
+                self.averager.gather(self.rank, self)
             loss, stats, grad_norm = self.static_out
         return loss.clone(), torch.cat([stats, grad_norm.detach().float()[None]])
 
@@ -1584,7 +1661,7 @@ class DrafterWorker:
                 for t in state_tensors():
                     t.zero_()
             if isinstance(self.optimizer, FlatAdamW):
-                self.optimizer.weights_changed()
+                self.weight_bf16.copy_(self.flat_param)
             several = self.averager.active  # the averaging sits between two graphs
             g1 = torch.cuda.CUDAGraph()
             with torch.cuda.graph(g1, stream=self.stream, capture_error_mode="thread_local"):
@@ -1721,6 +1798,8 @@ class GradAverager:
         self.stop_requested, self.stop_agreed = stop_requested, False
         self.buffers, self.streams = [None] * num_workers, [None] * num_workers
         self.barrier = threading.Barrier(num_workers, action=self._average) if num_workers > 1 else None
+        self.workers = [None] * num_workers  # with --shard-optimizer, for the gather
+        self.shard_barrier = threading.Barrier(num_workers, action=self._gather) if num_workers > 1 else None
         self.across = None  # over several machines: this machine's sum and the stop vote, reduced together
 
     def prepare(self, rank, flat_grad):
@@ -1789,9 +1868,32 @@ class GradAverager:
         else:
             self.barrier.wait()
 
+    def gather(self, rank, worker):
+        """With --shard-optimizer, after every worker's update of its share: each share's
+        weights copied from its owner to every other worker (on the host's order: the workers'
+        streams are waited for first). A no-op otherwise."""
+        if not worker.settings.shard_optimizer or self.num_workers == 1:
+            return
+        self.workers[rank] = worker
+        self.shard_barrier.wait()
+
+    def _gather(self):
+        for w in self.workers:
+            if w.stream is not None:
+                w.stream.synchronize()
+        for i, owner in enumerate(self.workers):
+            for w in self.workers:
+                if w is not owner:
+                    for dst, src in zip(w.shard(i), owner.shard(i)):
+                        dst.copy_(src)
+        for w in self.workers:
+            if w.device.type == "cuda":
+                torch.cuda.synchronize(w.device)
+
     def abort(self):
         if self.barrier is not None:
             self.barrier.abort()
+            self.shard_barrier.abort()
 
 
 # -----------------------------------------------------------------------------
@@ -1946,7 +2048,17 @@ def checkpoint_run_id(out_dir, step):
         return None
 
 
-def save_checkpoint(out_dir, step, worker, plan, keep, elapsed_s=0.0):
+def merged_optimizer_state(workers):
+    """The workers' AdamW state as one unsharded AdamW's: worker 0's, or with --shard-optimizer
+    every worker's share together."""
+    if not workers[0].settings.shard_optimizer:
+        return workers[0].optimizer_state()
+    states = [w.optimizer_state() for w in workers]
+    group = {**states[0]["param_groups"][0], "params": list(range(len(workers[0].params)))}
+    return {"state": {k: v for st in states for k, v in st["state"].items()}, "param_groups": [group]}
+
+
+def save_checkpoint(out_dir, step, worker, plan, keep, elapsed_s=0.0, optimizer_state=None):
     """A kill at any point leaves the previous checkpoints intact: write to a temporary
     directory, fsync its files, then rename; prune old ones only after the new one exists, and
     only this run's (never the one just written). A full disk is said as such, the partial
@@ -1956,7 +2068,8 @@ def save_checkpoint(out_dir, step, worker, plan, keep, elapsed_s=0.0):
     shutil.rmtree(tmp, ignore_errors=True)
     state = {"step": step, "consumed_batches": plan.cursor_after(step), "num_workers": plan.num_workers,
              "schedule": plan.schedule, "length_flags": plan.length_flags, "settings": plan.defining,
-             "elapsed_s": elapsed_s, "run_id": plan.run_id, "optimizer": worker.optimizer.state_dict()}
+             "elapsed_s": elapsed_s, "run_id": plan.run_id,
+             "optimizer": merged_optimizer_state([worker]) if optimizer_state is None else optimizer_state}
     try:
         worker.drafter.save_pretrained(tmp)  # fp32 master weights, servable as is
         dm.write_training_record(tmp, plan.defining)
@@ -1970,7 +2083,7 @@ def save_checkpoint(out_dir, step, worker, plan, keep, elapsed_s=0.0):
         shutil.rmtree(tmp, ignore_errors=True)
         if isinstance(e, OSError) and e.errno == errno.ENOSPC or "No space left" in str(e):
             tensors = [t for t in worker.drafter.state_dict().values()] + \
-                [t for st in worker.optimizer.state.values() for t in st.values() if isinstance(t, torch.Tensor)]
+                [t for st in state["optimizer"]["state"].values() for t in st.values() if isinstance(t, torch.Tensor)]
             need = sum(t.numel() * t.element_size() for t in tensors)
             os.makedirs(root, exist_ok=True)
             raise OSError(errno.ENOSPC, f"disk full at {root}: a checkpoint needs about {need:,} bytes, "
@@ -2357,6 +2470,11 @@ class Run:
         self.averager = GradAverager(len(drafters), self.cluster, stop_requested=lambda: self.stop_asked)
         self.workers = [DrafterWorker(i, dev, d, settings, self.averager, self)
                         for i, (dev, d) in enumerate(zip(settings.drafter_devices, drafters))]
+        if settings.shard_optimizer and len(self.workers) > 1:
+            params = self.workers[0].params
+            shares = [sum(p.numel() for p in params[a:b]) / 1e6 for a, b in self.workers[0].shards]
+            log(f"drafter: AdamW state sharded over {len(self.workers)} workers (shares of "
+                f"{', '.join(f'{m:.1f}M' for m in shares)} parameters)")
         self.last_log = (time.perf_counter(), plan.start_step)  # (when, step) of the last metrics line
         self.recent = collections.deque(maxlen=HEALTH_WINDOW)  # (loss, grad norm) of the last metrics lines
         self.first_weight_norm, self.health_said = None, set()
@@ -2414,7 +2532,8 @@ class Run:
 
     def save(self, step):
         s = self.settings
-        path = save_checkpoint(s.output_dir, step, self.workers[0], self.plan, s.keep_checkpoints, self.log.elapsed_s())
+        path = save_checkpoint(s.output_dir, step, self.workers[0], self.plan, s.keep_checkpoints, self.log.elapsed_s(),
+                               merged_optimizer_state(self.workers))
         self.log(f"checkpoint: {path}")
 
     @property
@@ -2649,6 +2768,9 @@ class Trainer:
 
     def __init__(self, settings, cluster=None):
         self.settings, self.cluster = settings, cluster or Cluster()
+        if settings.shard_optimizer and self.cluster.world_size > 1:
+            raise UsageError("--shard-optimizer splits the optimizer over the drafter workers of one machine; over "
+                             "several machines (torchrun) it is not built: drop it, or train on one machine")
         # The first machine owns the output directory: one run at a time, and not another run's files
         self.lock = OutputDirLock(settings.output_dir) if self.cluster.is_main else None
         cleared = claim_output_dir(settings) if self.cluster.is_main else []
@@ -2805,6 +2927,7 @@ class Trainer:
 def main(argv=None):
     try:
         settings = resolve_settings(parse_flags(argv))
+        settings = resolve_sharding(settings, target_config(settings.target_model))
         if settings.plan:
             print(plan_text(memory_plan(settings, target_config(settings.target_model)), settings))
             return 0

@@ -342,6 +342,28 @@ def test_pipeline_compiled_end_to_end(tmp_path, tiny_model_dir, layout):
     assert os.path.exists(tmp_path / "o" / "final" / "model.safetensors")
 
 
+def test_sharded_flat_adamw_trains_exactly_like_the_whole_one_graphed(tmp_path, tiny_model_dir):
+    """Two drafter workers (on one GPU, or two), the step compiled and graphed, each updating its
+    share of the flat buffers (--shard-optimizer) against each updating all of them: the same
+    losses and the same drafter."""
+    import json
+    from safetensors.torch import load_file
+    from test_pipeline import chat_rows, pipeline_args
+    from conftest import write_jsonl
+    data = write_jsonl(tmp_path / "d.jsonl", chat_rows(80))
+    d = "0,0" if torch.cuda.device_count() < 2 else "0,1"
+    for run, flag in (("whole", "--no-shard-optimizer"), ("shard", "--shard-optimizer")):
+        assert tp.main(pipeline_args(tmp_path / run, tiny_model_dir, data, "--token-budget", "512", "--max-steps", "8",
+                                     "--log-interval", "1", "--target-gpus", "0", "--drafter-gpus", d, "--compile",
+                                     flag)) == 0
+    losses = [[r["loss"] for r in map(json.loads, open(tmp_path / run / "metrics.jsonl")) if "loss" in r]
+              for run in ("whole", "shard")]
+    assert len(losses[0]) == 8 and losses[0] == losses[1]
+    assert "AdamW state sharded over 2 workers" in (tmp_path / "shard" / "train.log").read_text()
+    whole, shard = (load_file(tmp_path / run / "final" / "model.safetensors") for run in ("whole", "shard"))
+    assert all(torch.equal(whole[k], shard[k]) for k in whole)
+
+
 def drafter_mask_case(H, KV, D, bs=16, dtype=torch.bfloat16):
     """A drafter-shaped attention case on the GPU: sorted anchors over two documents per row
     (and padding), the block rule, q/k/v in dtype (query and key lengths off the 128 tile; the

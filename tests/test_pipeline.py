@@ -119,6 +119,50 @@ def test_a_target_split_in_stages_trains_exactly_like_one_replica(tmp_path, tiny
         torch.testing.assert_close(split[name], whole[name], rtol=1e-5, atol=1e-6)
 
 
+def test_sharded_optimizer_state_trains_exactly_like_the_whole_one(tmp_path, tiny_model_dir):
+    """Two workers, each keeping and updating the AdamW state of its share of the parameters
+    (--shard-optimizer), against two workers with the whole state: the same losses, the same
+    drafter, and checkpoints holding the same optimizer state (an unsharded AdamW's), from
+    which a run without sharding resumes as from its own."""
+    from safetensors.torch import load_file
+    data = write_jsonl(tmp_path / "d.jsonl", chat_rows(40))
+    common = ["--target-gpus", "cpu", "--drafter-gpus", "cpu,cpu", "--log-interval", "1", "--save-interval", "2"]
+    assert tp.main(pipeline_args(tmp_path / "whole", tiny_model_dir, data, *common, "--max-steps", "4")) == 0
+    assert tp.main(pipeline_args(tmp_path / "shard", tiny_model_dir, data, *common, "--max-steps", "4",
+                                 "--shard-optimizer")) == 0
+    losses = [[r["loss"] for r in map(json.loads, open(tmp_path / run / "metrics.jsonl")) if "loss" in r]
+              for run in ("whole", "shard")]
+    assert len(losses[0]) == 4 and losses[0] == losses[1]
+    assert "AdamW state sharded over 2 workers" in (tmp_path / "shard" / "train.log").read_text()
+    assert "AdamW state sharded" not in (tmp_path / "whole" / "train.log").read_text()
+    for step in ("step_2", "step_4"):
+        states = [torch.load(tmp_path / run / "checkpoints" / step / "training_state.pt", weights_only=False)["optimizer"]
+                  for run in ("whole", "shard")]
+        assert states[0]["param_groups"][0]["params"] == states[1]["param_groups"][0]["params"]
+        assert sorted(states[0]["state"]) == sorted(states[1]["state"]) and len(states[0]["state"]) > 10
+        for k, st in states[0]["state"].items():
+            for name, value in st.items():
+                assert torch.equal(torch.as_tensor(value), torch.as_tensor(states[1]["state"][k][name])), (k, name)
+    whole, shard = (load_file(tmp_path / run / "final" / "model.safetensors") for run in ("whole", "shard"))
+    assert all(torch.equal(whole[k], shard[k]) for k in whole)
+    # the sharded run's checkpoint resumed without sharding, and the whole run's with it
+    for run, flag in (("shard", "--no-shard-optimizer"), ("whole", "--shard-optimizer")):
+        assert tp.main(pipeline_args(tmp_path / run, tiny_model_dir, data, *common, "--max-steps", "6", flag,
+                                     "--resume", "auto")) == 0
+    resumed = [load_file(tmp_path / run / "final" / "model.safetensors") for run in ("whole", "shard")]
+    assert all(torch.equal(resumed[0][k], resumed[1][k]) for k in resumed[0])
+
+
+def test_shares_of_the_parameters_are_contiguous_balanced_and_whole():
+    params = [torch.empty(n) for n in (100, 5, 5, 90, 10, 3, 200, 7)]
+    shares = tp.shard_ranges(params, 3)
+    assert shares[0][0] == 0 and shares[-1][1] == len(params)
+    assert all(a < b for a, b in shares) and all(b == c for (_, b), (c, _) in zip(shares, shares[1:]))
+    sizes = [sum(p.numel() for p in params[a:b]) for a, b in shares]
+    assert max(sizes) <= 210 and min(sizes) >= 100, sizes
+    assert tp.shard_ranges(params[:2], 2) == [(0, 1), (1, 2)]
+
+
 def test_resume_equals_uninterrupted(tmp_path, tiny_model_dir):
     data = write_jsonl(tmp_path / "d.jsonl", chat_rows(40))
     common = ["--target-gpus", "cpu", "--drafter-gpus", "cpu,cpu", "--max-steps", "8", "--log-interval", "1",
@@ -1133,10 +1177,15 @@ def test_the_memory_plan_of_a_70b_target_on_a_laptop(tmp_path, capsys):
     layers = dm.default_target_layer_ids(80, 5)
     target_gb = 2 * ((max(layers) + 1) * layer + V * H + H) / 2**30  # + embedding, final norm (the LM head: host)
     draft_layer = layer + 2 * 128  # + q_norm, k_norm
-    drafter_gb = 16 * (5 * draft_layer + 5 * H * H + 2 * H) / 2**30  # + fc over 5 target layers, two norms
+    # + fc over 5 target layers, two norms; the AdamW moments split over the two drafter workers
+    # (the plan does not fit with the whole state on each): 8 + 8 / 2 bytes a parameter
+    drafter_gb = 12 * (5 * draft_layer + 5 * H * H + 2 * H) / 2**30
     assert f"    target weights: {target_gb:.2f} GB" in out, out
     assert f"    drafter weights, gradient and AdamW state: {drafter_gb:.2f} GB" in out, out
+    assert "--shard-optimizer on" in out
     assert out.count("DOES NOT FIT") == 8 and "cuda:7:" in out
+    assert tp.main(argv + ["--no-shard-optimizer"]) == 0  # each worker the whole state: 16 bytes a parameter
+    assert f"AdamW state: {drafter_gb * 16 / 12:.2f} GB" in capsys.readouterr().out
     assert config.num_hidden_layers == 80  # nothing loaded, nothing changed
     # split in three stages: two replicas, each over three GPUs, its layers cut as stage_bounds says
     assert tp.main(argv[:-1] + ["--target-stages", "3", "--plan"]) == 0
