@@ -28,8 +28,8 @@ def load_full_target(name, device):
     """The whole target (all layers, LM head) for generation: bf16 on GPU, fp32 on CPU."""
     from transformers import AutoModelForCausalLM
     dtype = torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
-    model = AutoModelForCausalLM.from_pretrained(resolve_model_path(name), dtype=dtype)
-    return model.to(device).eval().requires_grad_(False)
+    model = AutoModelForCausalLM.from_pretrained(resolve_model_path(name), dtype=dtype, device_map={"": str(device)})
+    return model.eval().requires_grad_(False)  # loaded shard by shard onto the device
 
 
 def stop_token_ids(tokenizer, generation_config=None):

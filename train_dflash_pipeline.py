@@ -20,6 +20,7 @@ import copy
 import dataclasses
 import errno
 import fcntl
+import gc
 import glob
 import hashlib
 import itertools
@@ -47,7 +48,7 @@ from chat_data import UsageError, load_corpus, parse_chat_template_kwargs, parse
 from decoding import token_probs
 from demo_assets import BUILTIN_DATA, BUILTIN_MODEL, BUILTIN_REGENERATED
 from evaluation import accepted_lengths_everywhere, drafter_target_mismatches, evaluate_drafter_dir, evaluate_models, \
-    heldout_prompts, heldout_prompts_file, replayed_over_answers
+    has_heldout_prompts, heldout_prompts, heldout_prompts_file, replayed_over_answers
 from flat_adamw import FlatAdamW, GradInto, WeightGradsIntoBuffer, flat_views
 from plots import write_plots
 from regeneration import regenerated_builtin_data
@@ -628,6 +629,38 @@ def resolve_sharding(settings, config):
         print(f"note: --shard-optimizer on: the drafter GPUs' plan does not fit with the whole optimizer state on "
               f"each; the AdamW moments are split over the {len(settings.drafter_devices)} workers")
     return settings.replace(shard_optimizer=needed)
+
+
+def check_evaluation_fits(settings, config):
+    """The evaluations (final, --eval-interval) decode with the whole target on one device: a
+    GPU of the run (the final one after the target stage has let go of its replicas; those during
+    the run beside everything the plan puts there), else the host in fp32. A target that fits
+    neither is refused before training, naming why, rather than failing after its last step."""
+    if not (settings.eval_prompts > 0 or settings.eval_interval > 0) or not has_heldout_prompts(settings):
+        return
+    from transformers import AutoModelForCausalLM
+    try:
+        params = parameter_count(lambda: AutoModelForCausalLM.from_config(config))
+    except Exception:  # noqa: BLE001  (a target the meta device cannot build: the evaluation finds out)
+        return
+    need = 1.25 * 2 * params + 2 * GB  # bf16 weights, with the decoder's room
+    plan = memory_plan(settings, config) if cuda_devices(settings) else {}
+    # what stays on a GPU while it evaluates: everything during the run; at the end the drafters
+    stays = (lambda parts: sum(parts.values())) if settings.eval_interval else \
+        (lambda parts: parts[DRAFTER_STATE] + parts[FROZEN_PARTS] + parts[DRAFTER_ACTIVATIONS])
+    room = [gpu_capacity(settings, d) - stays(parts) for d, parts in plan.items()]
+    if any(r >= need for r in room):
+        return
+    host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    if 4 * params * 1.2 <= host:
+        if room:
+            print(f"note: the whole target ({2 * params / GB:.0f} GB in bf16) fits no GPU of the run beside what it "
+                  "holds: the evaluations run on the CPU, slowly")
+        return
+    raise UsageError(f"the evaluations decode with the whole target on one device, and it ({2 * params / GB:.0f} GB "
+                     f"in bf16, {4 * params / GB:.0f} GB in fp32 on the host) fits neither a GPU of this run nor "
+                     f"this host's {host / GB:.0f} GB: pass --eval-prompts 0 and --eval-interval 0, and evaluate the "
+                     "drafter with scripts/eval_acceptance.py where the target fits")
 
 
 def cuda_only(devices):
@@ -2886,6 +2919,10 @@ class Trainer:
         for line in self.corpus.stats.summary():
             log(f"data: {line.strip()}")
         log(f"done: {final_step} steps; drafter saved to {final_dir}")
+        self.replicas = None  # the target stage's GPU memory goes to the evaluation's whole target
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
         report = self.evaluate_final(final_dir) if not run.interrupted and s.eval_prompts > 0 else None
         write_plots(s.output_dir, log)
         if report is not None and not report["lossless"]:
@@ -2933,6 +2970,7 @@ def main(argv=None):
             return 0
         if cuda_devices(settings):
             check_memory_plan(settings, target_config(settings.target_model))
+        check_evaluation_fits(settings, target_config(settings.target_model))
         return train(settings)
     except UsageError as e:
         print(f"error: {e}", file=sys.stderr)

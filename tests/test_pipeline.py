@@ -1198,6 +1198,27 @@ def test_the_memory_plan_of_a_70b_target_on_a_laptop(tmp_path, capsys):
         assert f"    target weights: {stage_gb[gpu % 3]:.2f} GB" in block and "DOES NOT FIT" not in block, block
 
 
+def test_an_evaluation_whose_target_fits_no_device_is_refused_before_training(tmp_path):
+    """A 70B target's evaluation needs the whole target (141 GB in bf16) on one device: no 80 GB
+    GPU holds it, nor this host in fp32, so the run is refused up front, naming the way out; on
+    imaginary 400 GB GPUs, or without evaluation, it goes ahead."""
+    llama_70b_config(tmp_path / "l70")
+    config = tp.target_config(str(tmp_path / "l70"))
+    settings = tp.Settings.of_flags(["--target-model", str(tmp_path / "l70"), "--gpu-memory", "80", "--eval-data",
+                                     "p.jsonl", "--target-stages", "3"],
+                                    target_devices=[torch.device("cuda", i) for i in range(6)],
+                                    drafter_devices=[torch.device("cuda", 6), torch.device("cuda", 7)],
+                                    target_layer_ids=dm.default_target_layer_ids(80, 5), target_attention="flex",
+                                    shard_optimizer=True)
+    H, I, V, kv = 8192, 28672, 128256, 8 * 128
+    params = 80 * (2 * H * H + 2 * H * kv + 3 * H * I + 2 * H) + 2 * V * H + H  # layers, embedding, head, norm
+    with pytest.raises(chat_data.UsageError, match=rf"whole target on one device, and it \({2 * params / 2**30:.0f} GB "
+                       "in bf16.*--eval-prompts 0 and --eval-interval 0.*scripts/eval_acceptance.py"):
+        tp.check_evaluation_fits(settings, config)
+    tp.check_evaluation_fits(settings.replace(gpu_memory=400.0), config)
+    tp.check_evaluation_fits(settings.replace(eval_prompts=0), config)
+
+
 def test_a_layout_whose_weights_cannot_fit_is_refused_before_loading(tmp_path):
     llama_70b_config(tmp_path / "l70")
     settings = tp.Settings.of_flags(["--target-model", str(tmp_path / "l70"), "--gpu-memory", "80"],
