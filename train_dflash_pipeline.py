@@ -1485,10 +1485,11 @@ class DrafterWorker:
         # --shard-optimizer: this worker's AdamW updates its share of the parameters alone (their
         # moments live here only), then every worker takes each share from its owner (gather)
         self.params = params
+        self.offsets = [0, *itertools.accumulate(p.numel() for p in params)]  # each one's place in the flat buffers
         self.shards = shard_ranges(params, averager.num_workers) if settings.shard_optimizer else [(0, len(params))]
-        first, end = self.shards[rank] if settings.shard_optimizer else self.shards[0]
-        at = [0, *itertools.accumulate(p.numel() for p in params)]
-        owned, (a, b) = params[first:end], (at[first], at[end])
+        self.share = self.shards[rank] if settings.shard_optimizer else self.shards[0]  # the parameters it updates
+        first, end = self.share
+        owned, a, b = params[first:end], self.offsets[first], self.offsets[end]
         if flat_adamw:  # the weights of every share in flat fp32 and bf16 buffers, the owned ones updated
             self.flat_param = torch.cat([p.detach().reshape(-1) for p in params])
             self.weight_bf16 = self.flat_param.to(torch.bfloat16)
@@ -1570,14 +1571,13 @@ class DrafterWorker:
         first, end = self.shards[i]
         if not hasattr(self, "flat_param"):
             return [p.detach() for p in self.params[first:end]]
-        at = [0, *itertools.accumulate(p.numel() for p in self.params)]
-        return [self.flat_param[at[first]:at[end]], self.weight_bf16[at[first]:at[end]]]
+        a, b = self.offsets[first], self.offsets[end]
+        return [self.flat_param[a:b], self.weight_bf16[a:b]]
 
     def optimizer_state(self):
         """This worker's AdamW state, numbered over all the parameters (its share's first index
         added), so the shares' states merge into the state of one unsharded AdamW."""
-        state = self.optimizer.state_dict()
-        first = self.shards[self.rank][0] if self.settings.shard_optimizer else 0
+        state, first = self.optimizer.state_dict(), self.share[0]
         return {"state": {first + k: v for k, v in state["state"].items()},
                 "param_groups": [{**g, "params": [first + k for k in g["params"]]} for g in state["param_groups"]]}
 
@@ -1588,7 +1588,7 @@ class DrafterWorker:
         tensor, and the captured update would then never see the schedule again."""
         own = {k: v for k, v in self.optimizer.param_groups[0].items() if k != "params"}
         if self.settings.shard_optimizer:
-            first, end = self.shards[self.rank]
+            first, end = self.share
             state = {"state": {k - first: v for k, v in state["state"].items() if first <= k < end},
                      "param_groups": [{**g, "params": list(range(end - first))} for g in state["param_groups"]]}
         self.optimizer.load_state_dict(copy.deepcopy(state))  # a copy: same-device tensors are kept as they are
