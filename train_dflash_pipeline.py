@@ -1033,6 +1033,17 @@ def copy_into(static, values):
             dst.copy_(src, non_blocking=True)
 
 
+@contextlib.contextmanager
+def timed(clocks, k, device):
+    """The work queued inside timed by clocks[k] (a StageClock) on device; untimed without clocks."""
+    if clocks is None:
+        yield
+        return
+    clocks[k].start(device)
+    yield
+    clocks[k].stop(device)
+
+
 class TargetStage:
     """Decoder layers [first, end) of a target replica, on one device, run by the base model's own
     forward (its masks, rotary embeddings, per-layer arguments), so every architecture the stage
@@ -1172,27 +1183,30 @@ class TargetReplica:
                 final, self.model.get_output_embeddings(), d["top_k"], d["temperature"], self.final_softcap)))
         return out
 
-    def forward(self, input_ids, position_ids, doc_ids, packed=True):
-        """The replica's outputs (run_stage's) for the batch's inputs, on any device, eagerly."""
+    def forward(self, input_ids, position_ids, doc_ids, packed=True, clocks=None):
+        """The replica's outputs (run_stage's) for the batch's inputs, on any device, eagerly.
+        clocks: a StageClock per stage, timing each stage's work on its device."""
         passed = {}
         with self.use_attention if packed else contextlib.nullcontext():
             for k, stage in enumerate(self.stages):
                 inputs = {"position_ids": position_ids, "doc_ids": doc_ids, **passed}
                 if k == 0:
                     inputs["input_ids"] = input_ids
-                passed = self.run_stage(k, on_device({key: v for key, v in inputs.items() if v is not None},
-                                                     stage.device), packed)
+                inputs = on_device({key: v for key, v in inputs.items() if v is not None}, stage.device)
+                with timed(clocks, k, stage.device):
+                    passed = self.run_stage(k, inputs, packed)
         return passed
 
     @torch.no_grad()
-    def outputs(self, batch):
+    def outputs(self, batch, clocks=None):
         """forward's outputs for a batch (a dict holding at least the forward's three inputs)."""
         if self.graphs is None:
-            return self.forward(**{k: batch[k] for k in TARGET_INPUTS})
+            return self.forward(**{k: batch[k] for k in TARGET_INPUTS}, clocks=clocks)
         passed = {}
-        for graph, static_in, static_out in self.graphs:
-            copy_into(static_in, {**batch, **passed})
-            graph.replay()
+        for k, (graph, static_in, static_out) in enumerate(self.graphs):
+            copy_into(static_in, {**batch, **passed})  # waits for the stage before: not timed
+            with timed(clocks, k, self.stages[k].device):
+                graph.replay()
             passed = static_out
         return passed  # overwritten by the next replay: the caller copies it
 
@@ -2511,7 +2525,9 @@ class Run:
         self.last_log = (time.perf_counter(), plan.start_step)  # (when, step) of the last metrics line
         self.recent = collections.deque(maxlen=HEALTH_WINDOW)  # (loss, grad norm) of the last metrics lines
         self.first_weight_norm, self.health_said = None, set()
-        self.target_clock, self.target_batches_fed, self.target_logged = StageClock(), 0, (0.0, 0)
+        # the target stage's busy time, a clock per replica stage (the slowest bounds a replica)
+        self.target_clocks = [StageClock() for _ in range(settings.target_stages)]
+        self.target_batches_fed, self.target_logged = 0, (0.0, 0)
 
     def lr_for_step(self, step):
         return scheduled_lr(self.plan.cursor_after(step), self.plan.schedule, self.settings.lr)
@@ -2592,7 +2608,7 @@ class Run:
         dt, steps, W = max(now - t_prev, 1e-9), step - s_prev, self.num_workers
         stats = self.cluster.all_reduce_(sum(w.stats.cpu() for w in self.workers))
         m = dm.stats_to_metrics(stats[:-1], steps * W)
-        target_s, target_n = self.target_clock.total()
+        target_s, target_n = max(c.total() for c in self.target_clocks)  # the slowest stage's
         target_dt, target_batches = target_s - self.target_logged[0], target_n - self.target_logged[1]
         self.target_logged = (target_s, target_n)
         budget = self.settings.token_budget
@@ -2686,9 +2702,7 @@ def feed(run, replicas):
                 # a copy from pageable memory blocks this thread until the stream's queued work is
                 # done (a target forward, say); from pinned memory it is queued like the rest
                 batch = {k: v.pin_memory() for k, v in batch.items()}
-            run.target_clock.start(replica.device)
-            outputs = replica.outputs(batch)
-            run.target_clock.stop(replica.device)
+            outputs = replica.outputs(batch, run.target_clocks)
             item = {k: v.to(w.device, non_blocking=True) for k, v in batch.items()}
             # A graphed replica returns its static outputs, overwritten by the next replay: copy them.
             item.update({k: v.to(w.device, non_blocking=True, copy=replica.graph is not None)

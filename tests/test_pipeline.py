@@ -119,6 +119,20 @@ def test_a_target_split_in_stages_trains_exactly_like_one_replica(tmp_path, tiny
         torch.testing.assert_close(split[name], whole[name], rtol=1e-5, atol=1e-6)
 
 
+def test_each_stage_of_a_split_replica_is_timed_on_its_own_clock(tiny_model_dir):
+    """The target stage's busy time (its tokens/s in the log, the split advice) is the slowest
+    replica stage's: each stage's work is timed by its own clock, eagerly and as the pipeline
+    feeds it."""
+    (replica,), _, _ = tp.load_target_replicas(tiny_model_dir, [torch.device("cpu")] * 2, [1, 3],
+                                               log=lambda *a: None, stages=2)
+    clocks = [tp.StageClock(), tp.StageClock()]
+    batch = {"input_ids": torch.randint(3, 100, (2, 64)), "position_ids": torch.arange(64).repeat(2, 1),
+             "doc_ids": torch.zeros(2, 64, dtype=torch.long)}
+    for _ in range(3):
+        replica.outputs(batch, clocks)
+    assert [c.total()[1] for c in clocks] == [3, 3] and all(c.total()[0] > 0 for c in clocks)
+
+
 def test_sharded_optimizer_state_trains_exactly_like_the_whole_one(tmp_path, tiny_model_dir):
     """Two workers, each keeping and updating the AdamW state of its share of the parameters
     (--shard-optimizer), against two workers with the whole state: the same losses, the same
