@@ -324,14 +324,14 @@ def test_steps_redone_after_a_kill_are_recorded_once(tmp_path, tiny_model_dir, m
 
 
 def test_a_signal_while_finishing_is_noted_not_raised():
-    seen = []
+    seen, before = [], {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
     with tp.signals_handled(seen.append):
         os.kill(os.getpid(), signal.SIGINT)
         time.sleep(0.05)
     assert seen == [signal.SIGINT]
-    with pytest.raises(KeyboardInterrupt):  # the old handler is back after
-        os.kill(os.getpid(), signal.SIGINT)
-        time.sleep(0.05)
+    # the old handlers are back after (whatever they are: a process started in the background
+    # by a shell without job control ignores SIGINT from the start)
+    assert {s: signal.getsignal(s) for s in before} == before
 
 
 @pytest.mark.parametrize("flag", ["--batch-size", "--max-new-tokens", "--window", "--concurrency"])
