@@ -499,24 +499,33 @@ def layers_run(num_layers, target_layer_ids, distillation):
     return num_layers if distillation else max(target_layer_ids) + 1
 
 
-def stage_parameters(config, keep_layers, stages, lm_head):
-    """The parameters each stage of a replica holds (its first keep_layers decoder layers split in
-    `stages`, stage_bounds): its layers; the first also the embedding, every one the base model's
-    small parts (final norm, rotary tables) it runs; the last the LM head if lm_head (a tied head
-    is the embedding's)."""
-    from transformers import AutoModelForCausalLM
-    config = copy.deepcopy(config)
-    slice_layers(dm.text_config(config), 0, keep_layers)
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config)
-    count = lambda module: sum(p.numel() for p in module.parameters())  # noqa: E731
-    layers, embed = decoder_layers(model), model.get_input_embeddings()
-    rest = count(getattr(model, model.base_model_prefix)) - count(layers) - count(embed)
-    head = model.get_output_embeddings()
-    head = count(head) if lm_head and head.weight is not embed.weight else 0
+TARGET_PARTS = {}  # target_parts' counts by config (as JSON): a meta build of a large model takes seconds
+
+
+def target_parts(config):
+    """Parameter counts of the target's parts, from its config built on the meta device (once a
+    config): {layers: per decoder layer, embed, rest: the base model's other parts (final norm,
+    rotary tables), head: the LM head's own (0 where it is the embedding's)}."""
+    key = config.to_json_string()
+    if key not in TARGET_PARTS:
+        from transformers import AutoModelForCausalLM
+        count = lambda module: sum(p.numel() for p in module.parameters())  # noqa: E731
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config)
+        layers, embed, head = decoder_layers(model), model.get_input_embeddings(), model.get_output_embeddings()
+        TARGET_PARTS[key] = {"layers": [count(layer) for layer in layers], "embed": count(embed),
+                             "rest": count(getattr(model, model.base_model_prefix)) - count(layers) - count(embed),
+                             "head": 0 if head.weight is embed.weight else count(head)}
+    return TARGET_PARTS[key]
+
+
+def stage_parameters(parts, keep_layers, stages, lm_head):
+    """The parameters each stage of a replica holds (target_parts' first keep_layers decoder
+    layers split in `stages`, stage_bounds): its layers; every one the base model's small parts
+    it runs; the first also the embedding; the last the LM head if lm_head."""
     bounds = stage_bounds(keep_layers, stages)
-    return [sum(count(layers[i]) for i in range(a, b)) + rest + (count(embed) if k == 0 else 0)
-            + (head if k == stages - 1 else 0) for k, (a, b) in enumerate(zip(bounds, bounds[1:]))]
+    return [sum(parts["layers"][a:b]) + parts["rest"] + (parts["embed"] if k == 0 else 0)
+            + (parts["head"] if lm_head and k == stages - 1 else 0) for k, (a, b) in enumerate(zip(bounds, bounds[1:]))]
 
 
 def memory_plan(settings, config):
@@ -533,7 +542,8 @@ def memory_plan(settings, config):
     keep = layers_run(tc.num_hidden_layers, s.target_layer_ids, s.distillation is not None)
     plan = collections.defaultdict(collections.Counter)  # a device listed twice holds its parts twice
 
-    stage_weights = [2 * p for p in stage_parameters(config, keep, s.target_stages, s.distillation is not None)]
+    stage_weights = [2 * p for p in stage_parameters(target_parts(config), keep, s.target_stages,
+                                                     s.distillation is not None)]
     # one layer's live set at a time, plus the captured layers' outputs and their concatenation
     target_act = 2 * T * (2 * n * H + 3 * H + (heads + 2 * kv_heads) * head_dim + 3 * I)
     if s.target_attention == "dense":
@@ -596,8 +606,10 @@ def check_memory_plan(settings, config):
         advice, s = [], settings
         keep = layers_run(dm.text_config(config).num_hidden_layers, s.target_layer_ids, s.distillation is not None)
         if parts[TARGET_WEIGHTS] > 0.9 * cap:
+            parts_of = target_parts(config)
             stages = next((k for k in range(s.target_stages + 1, keep + 1)
-                           if max(stage_parameters(config, keep, k, s.distillation is not None)) * 2 < 0.8 * cap), None)
+                           if max(stage_parameters(parts_of, keep, k, s.distillation is not None)) * 2 < 0.8 * cap),
+                          None)
             advice.append("the target's weights do not fit: a replica split over more GPUs "
                           f"(--target-stages {stages} with that many target GPUs a replica)" if stages else
                           "the target's weights do not fit even one layer a GPU")
@@ -638,11 +650,11 @@ def check_evaluation_fits(settings, config):
     neither is refused before training, naming why, rather than failing after its last step."""
     if not (settings.eval_prompts > 0 or settings.eval_interval > 0) or not has_heldout_prompts(settings):
         return
-    from transformers import AutoModelForCausalLM
     try:
-        params = parameter_count(lambda: AutoModelForCausalLM.from_config(config))
+        parts = target_parts(config)
     except Exception:  # noqa: BLE001  (a target the meta device cannot build: the evaluation finds out)
         return
+    params = sum(parts["layers"]) + parts["embed"] + parts["rest"] + parts["head"]
     need = 1.25 * 2 * params + 2 * GB  # bf16 weights, with the decoder's room
     plan = memory_plan(settings, config) if cuda_devices(settings) else {}
     # what stays on a GPU while it evaluates: everything during the run; at the end the drafters
@@ -2978,13 +2990,14 @@ class Trainer:
 def main(argv=None):
     try:
         settings = resolve_settings(parse_flags(argv))
-        settings = resolve_sharding(settings, target_config(settings.target_model))
+        config = target_config(settings.target_model)
+        settings = resolve_sharding(settings, config)
         if settings.plan:
-            print(plan_text(memory_plan(settings, target_config(settings.target_model)), settings))
+            print(plan_text(memory_plan(settings, config), settings))
             return 0
         if cuda_devices(settings):
-            check_memory_plan(settings, target_config(settings.target_model))
-        check_evaluation_fits(settings, target_config(settings.target_model))
+            check_memory_plan(settings, config)
+        check_evaluation_fits(settings, config)
         return train(settings)
     except UsageError as e:
         print(f"error: {e}", file=sys.stderr)
