@@ -136,7 +136,29 @@ def decode_block_mask(pad, verified, live, q, slots, tile=128):
 DECODE_ATTENTION = ("grouped", "model", "flex")
 
 
-class BatchDecoder:
+class RowSlots:
+    """Where each of `batch` rows stands in `slots` cache slots (see the section comment): the
+    slot of its position 0 (pad: prompts are left-padded), its verified tokens (next_pos), whether
+    it still decodes (live). A captured step reads these buffers where they are: updated in place."""
+
+    def __init__(self, batch, slots, device):
+        self.B, self.S, self.device = batch, slots, device
+        self.pad = torch.zeros(batch, dtype=torch.long, device=device)
+        self.next_pos = torch.zeros(batch, dtype=torch.long, device=device)
+        self.live = torch.ones(batch, dtype=torch.bool, device=device)
+        self.slot = torch.arange(slots, device=device)
+
+    def prompt_positions(self, P, pad=None):
+        """[rows, P]: the positions of left-padded prompts of P slots (padding at position 0)."""
+        pad = self.pad if pad is None else pad
+        return (torch.arange(P, device=self.device)[None] - pad[:, None]).clamp(min=0)
+
+    def verified(self):
+        """[B, S]: the slots of each row's verified tokens."""
+        return (self.slot[None] >= self.pad[:, None]) & (self.slot[None] < (self.pad + self.next_pos)[:, None])
+
+
+class BatchDecoder(RowSlots):
     """A target decoding `batch` rows over `slots` cache slots (see the section comment). With
     graph=True (CUDA) each step width q is captured once as a CUDA graph and replayed. layer_ids:
     target layers whose outputs step() also returns (the drafter's context). decode_attention:
@@ -150,7 +172,8 @@ class BatchDecoder:
         if decode_attention not in DECODE_ATTENTION:
             raise ValueError(f"decode attention {decode_attention!r}: one of {DECODE_ATTENTION}")
         p = next(model.parameters())
-        self.model, self.B, self.S, self.device, self.dtype = model, batch, slots, p.device, p.dtype
+        super().__init__(batch, slots, p.device)
+        self.model, self.dtype = model, p.dtype
         self.cache = _slot_cache_class()(model.config, batch, slots, p.dtype, p.device)
         self.layer_ids, self.kw = list(layer_ids), cache_kwarg(model)
         self.use_graph = graph and p.device.type == "cuda"
@@ -161,11 +184,6 @@ class BatchDecoder:
                                else self.attention)
         self.prefill_elements = prefill_elements  # rows x prompt x slots per prefill chunk (mask memory)
         self.graphs = {}
-        # Per-row state, updated in place: a captured step reads these buffers where they are.
-        self.pad = torch.zeros(batch, dtype=torch.long, device=p.device)       # slot of the row's position 0
-        self.next_pos = torch.zeros(batch, dtype=torch.long, device=p.device)  # the row's verified tokens
-        self.live = torch.ones(batch, dtype=torch.bool, device=p.device)       # rows still decoding (flex: only theirs)
-        self.slot = torch.arange(slots, device=p.device)
 
     def _forward(self, ids, positions, slots, mask, attention, last_only=False):
         self.cache.write_slots = slots
@@ -223,18 +241,9 @@ class BatchDecoder:
         main.length = max(main.length, P)
         return torch.cat(logits), (torch.cat(hidden) if self.layer_ids else None)
 
-    def prompt_positions(self, P, pad=None):
-        """[rows, P]: the positions of left-padded prompts of P slots (padding at position 0)."""
-        pad = self.pad if pad is None else pad
-        return (torch.arange(P, device=self.device)[None] - pad[:, None]).clamp(min=0)
-
     def release(self):
         """Lets go of the cache and the captured steps (the next decoder's memory)."""
         self.cache, self.graphs = None, {}
-
-    def verified(self):
-        """[B, S]: the slots of each row's verified tokens."""
-        return (self.slot[None] >= self.pad[:, None]) & (self.slot[None] < (self.pad + self.next_pos)[:, None])
 
     def _step_eager(self, ids):
         q = ids.shape[1]
@@ -272,7 +281,7 @@ class BatchDecoder:
         self.next_pos += keep
 
 
-class ModelDecoder:
+class ModelDecoder(RowSlots):
     """The decoder for targets the batched decoder does not compute (check_batchable): the same
     interface as BatchDecoder (rows, slots, verified tokens, step and advance), but every step is
     the model's own forward, with its own attention and masks and no cache, over each live row's
@@ -280,12 +289,8 @@ class ModelDecoder:
     quadratic in an answer's length, so slower."""
 
     def __init__(self, model, batch, slots, layer_ids=()):
-        p = next(model.parameters())
-        self.model, self.B, self.S, self.device, self.layer_ids = model, batch, slots, p.device, list(layer_ids)
-        self.pad = torch.zeros(batch, dtype=torch.long, device=p.device)
-        self.next_pos = torch.zeros(batch, dtype=torch.long, device=p.device)
-        self.live = torch.ones(batch, dtype=torch.bool, device=p.device)
-        self.slot = torch.arange(slots, device=p.device)
+        super().__init__(batch, slots, next(model.parameters()).device)
+        self.model, self.layer_ids = model, list(layer_ids)
         self.tokens = [[] for _ in range(batch)]  # each row's verified tokens
         self.last = None  # the last step's tokens, which advance() keeps some of
 
@@ -314,15 +319,8 @@ class ModelDecoder:
             self.pad[r], self.next_pos[r] = P - len(prompt), len(prompt)
         return torch.stack(logits), (torch.stack(hidden) if self.layer_ids else None)
 
-    def prompt_positions(self, P, pad=None):
-        pad = self.pad if pad is None else pad
-        return (torch.arange(P, device=self.device)[None] - pad[:, None]).clamp(min=0)
-
     def release(self):
         self.tokens = [[] for _ in range(self.B)]
-
-    def verified(self):
-        return (self.slot[None] >= self.pad[:, None]) & (self.slot[None] < (self.pad + self.next_pos)[:, None])
 
     def step(self, ids):
         """ids [B, q] right after each row's verified tokens; (logits [B, q, V], features [B, q, F]
