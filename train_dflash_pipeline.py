@@ -457,10 +457,7 @@ def resolve_settings(flags):
         raise UsageError(f"--target-stages {flags.target_stages}: each replica takes that many of the "
                          f"{len(target_devices)} target devices, which it must divide (a GPU may repeat in "
                          "--target-gpus: '0,0' is two stages on GPU 0)")
-    keep = layers_run(tc.num_hidden_layers, layer_ids, flags.loss != "ce")
-    if flags.target_stages > keep:
-        raise UsageError(f"--target-stages {flags.target_stages}: the target stage runs {keep} decoder layers, at "
-                         "least one a stage")
+    stage_bounds(layers_run(tc.num_hidden_layers, layer_ids, flags.loss != "ce"), flags.target_stages)  # checked
     target_attention, compile_target = resolve_target_stage(flags, target_devices)
     # planning for GPUs this machine lacks (--plan --gpu-memory): their kind is unknown, and the
     # plan does not depend on the drafter's attention kernel
@@ -1022,11 +1019,6 @@ def stage_bounds(num_layers, stages):
     return [round(i * num_layers / stages) for i in range(stages + 1)]
 
 
-def layers_config(config, first, end):
-    """A copy of a text config made one of decoder layers [first, end) (slice_layers)."""
-    return slice_layers(copy.copy(config), first, end)
-
-
 def on_device(x, device, copy=False):
     """x (a tensor, a tuple of tensors, or a dict of either) on device; copy: always a new tensor."""
     if isinstance(x, dict):
@@ -1072,7 +1064,7 @@ class TargetStage:
             return
         self.base = copy.copy(base)  # shares base's parameters; a children dict of its own:
         self.base._modules = dict(base._modules)
-        self.base.config = layers_config(base.config, first, end)
+        self.base.config = slice_layers(copy.copy(base.config), first, end)
         self.base.layers = torch.nn.ModuleList(base.layers[first:end])
         for name, child in base.named_children():
             # the small parts the forward runs on every stage (the final norm, rotary embeddings)
@@ -1252,11 +1244,6 @@ class TargetReplica:
             self.graphs.append((graph, static_in, static_out))
             passed = static_out
 
-    @property
-    def graph(self):
-        """Whether the stages replay CUDA graphs (their outputs then are static buffers)."""
-        return self.graphs
-
     def drop_capture(self):
         """Back to eager forwards; the graphs' pools and static buffers are let go."""
         self.graphs = None
@@ -1375,8 +1362,6 @@ def load_target_replicas(name, devices, target_layer_ids, log=print, target_atte
     config = AutoConfig.from_pretrained(path)
     n_layers = dm.text_config(config).num_hidden_layers
     keep = layers_run(n_layers, target_layer_ids, distillation is not None)
-    if len(devices) % stages:
-        raise UsageError(f"--target-stages {stages} does not divide the {len(devices)} target devices into replicas")
     tied = getattr(config, "tie_word_embeddings", False)
     slice_layers(dm.text_config(config), 0, keep)
     replicas = []
@@ -1422,16 +1407,11 @@ def load_layers(path, config, n_layers, devices, head_device, dtype):
         meta = AutoModelForCausalLM.from_config(config)
     keep, prefix = dm.text_config(config).num_hidden_layers, meta.base_model_prefix
     bounds = stage_bounds(keep, len(devices))
-    device_map = {}
-    for name, child in meta.named_children():
-        if name != prefix:
-            device_map[name] = str(head_device)
-            continue
-        for part, _ in child.named_children():
-            if part != "layers":
-                device_map[f"{prefix}.{part}"] = str(devices[0])
-        for i in range(keep):
-            device_map[f"{prefix}.layers.{i}"] = str(devices[next(k for k in range(len(devices)) if i < bounds[k + 1])])
+    device_map = {name: str(head_device) for name, _ in meta.named_children() if name != prefix}  # the LM head
+    device_map.update({f"{prefix}.{part}": str(devices[0]) for part, _ in getattr(meta, prefix).named_children()
+                       if part != "layers"})
+    for device, a, b in zip(devices, bounds, bounds[1:]):
+        device_map.update({f"{prefix}.layers.{i}": str(device) for i in range(a, b)})
     cls = type(meta)
     above = "|".join(str(i) for i in range(keep, n_layers))
     ignored = cls._keys_to_ignore_on_load_unexpected
@@ -1516,7 +1496,8 @@ class DrafterWorker:
         self.share = self.shards[rank] if settings.shard_optimizer else self.shards[0]  # the parameters it updates
         first, end = self.share
         owned, a, b = params[first:end], self.offsets[first], self.offsets[end]
-        if flat_adamw:  # the weights of every share in flat fp32 and bf16 buffers, the owned ones updated
+        self.flat_param = None  # with FlatAdamW every weight in flat fp32 and bf16 buffers, the share's updated
+        if flat_adamw:
             self.flat_param = torch.cat([p.detach().reshape(-1) for p in params])
             self.weight_bf16 = self.flat_param.to(torch.bfloat16)
             for p, view in zip(params, flat_views(self.flat_param, params)):
@@ -1595,7 +1576,7 @@ class DrafterWorker:
         """The weights of share i (the parameters self.shards[i]): the flat buffers' slices, or
         the parameters themselves."""
         first, end = self.shards[i]
-        if not hasattr(self, "flat_param"):
+        if self.flat_param is None:
             return [p.detach() for p in self.params[first:end]]
         a, b = self.offsets[first], self.offsets[end]
         return [self.flat_param[a:b], self.weight_bf16[a:b]]
@@ -2117,7 +2098,7 @@ def merged_optimizer_state(workers):
     return {"state": {k: v for st in states for k, v in st["state"].items()}, "param_groups": [group]}
 
 
-def save_checkpoint(out_dir, step, worker, plan, keep, elapsed_s=0.0, optimizer_state=None):
+def save_checkpoint(out_dir, step, worker, plan, keep, optimizer_state, elapsed_s=0.0):
     """A kill at any point leaves the previous checkpoints intact: write to a temporary
     directory, fsync its files, then rename; prune old ones only after the new one exists, and
     only this run's (never the one just written). A full disk is said as such, the partial
@@ -2127,8 +2108,7 @@ def save_checkpoint(out_dir, step, worker, plan, keep, elapsed_s=0.0, optimizer_
     shutil.rmtree(tmp, ignore_errors=True)
     state = {"step": step, "consumed_batches": plan.cursor_after(step), "num_workers": plan.num_workers,
              "schedule": plan.schedule, "length_flags": plan.length_flags, "settings": plan.defining,
-             "elapsed_s": elapsed_s, "run_id": plan.run_id,
-             "optimizer": merged_optimizer_state([worker]) if optimizer_state is None else optimizer_state}
+             "elapsed_s": elapsed_s, "run_id": plan.run_id, "optimizer": optimizer_state}
     try:
         worker.drafter.save_pretrained(tmp)  # fp32 master weights, servable as is
         dm.write_training_record(tmp, plan.defining)
@@ -2593,8 +2573,8 @@ class Run:
 
     def save(self, step):
         s = self.settings
-        path = save_checkpoint(s.output_dir, step, self.workers[0], self.plan, s.keep_checkpoints, self.log.elapsed_s(),
-                               merged_optimizer_state(self.workers))
+        path = save_checkpoint(s.output_dir, step, self.workers[0], self.plan, s.keep_checkpoints,
+                               merged_optimizer_state(self.workers), self.log.elapsed_s())
         self.log(f"checkpoint: {path}")
 
     @property
@@ -2717,7 +2697,7 @@ def feed(run, replicas):
             outputs = replica.outputs(batch, run.target_clocks)
             item = {k: v.to(w.device, non_blocking=True) for k, v in batch.items()}
             # A graphed replica returns its static outputs, overwritten by the next replay: copy them.
-            item.update({k: v.to(w.device, non_blocking=True, copy=replica.graph is not None)
+            item.update({k: v.to(w.device, non_blocking=True, copy=replica.graphs is not None)
                          for k, v in outputs.items()})
             if w.device.type == "cuda":
                 item["ready"] = torch.cuda.Event()

@@ -168,7 +168,7 @@ def test_target_token_budget_that_does_not_fit_names_one_that_does(compile):
     assert LENGTH <= fits < args.token_budget
     del e
     tp.warm_up_target([replica], types.SimpleNamespace(**{**vars(args), "token_budget": fits}), print)
-    assert (replica.graph is not None) == compile
+    assert (replica.graphs is not None) == compile
 
 
 def test_graph_replay_equals_compiled_step():

@@ -448,7 +448,7 @@ def test_out_of_memory_at_start_up_names_a_budget_that_was_tried(fake_gpu_memory
     captured = []
 
     class FakeReplica:
-        device, graph = "cuda:0", None
+        device, graphs = "cuda:0", None
 
         def synthetic_batch(self, rows, length):
             return rows
@@ -460,17 +460,17 @@ def test_out_of_memory_at_start_up_names_a_budget_that_was_tried(fake_gpu_memory
             captured.append(rows)
             if rows > 70:
                 raise torch.cuda.OutOfMemoryError("fake: out of memory")
-            self.graph = "a graph"
+            self.graphs = ["a graph"]
 
         def drop_capture(self):
-            self.graph = None
+            self.graphs = None
 
     replica = FakeReplica()
     args = types.SimpleNamespace(token_budget=4096 * L, max_length=L, compile=True)
     with pytest.raises(chat_data.UsageError, match=f"1.0 GB per row of {L}.*the largest that fits is about --token-budget {64 * L}$"):
         tp.warm_up_target([replica], args, print)
     assert captured == [4096, 90, 76, 64]
-    assert replica.graph is None  # the tries' memory is let go
+    assert replica.graphs is None  # the tries' memory is let go
 
 
 @pytest.mark.parametrize("compile", [False, True])
