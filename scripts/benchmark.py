@@ -28,10 +28,15 @@ import types
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import decoding  # noqa: E402
-import target_model  # noqa: E402
+from dflash_train import decoding  # noqa: E402
+from dflash_train import target_model  # noqa: E402
 import dflash_model as dm  # noqa: E402
 import train_dflash_pipeline as tp  # noqa: E402
+from dflash_train import checkpoints as ck  # noqa: E402
+from dflash_train import command_line as cli  # noqa: E402
+from dflash_train import kernels as kn  # noqa: E402
+from dflash_train import target_stage as ts  # noqa: E402
+from dflash_train import helpers  # noqa: E402
 
 PEAK_FLOPS = 989e12  # H200 dense bf16
 PEAK_MHZ = 1830  # the SM clock PEAK_FLOPS counts: 132 SMs x 4096 bf16 FLOP a clock (H100/H200 SXM)
@@ -71,7 +76,7 @@ def target_flops_per_token(c, layers_run):
 
 def drafter_flops_per_step(c, n_feat_layers, draft_layers, rows, length, anchors, block):
     """Useful training FLOPs: 6 x params x the rows each draft-layer matmul runs on, every draft
-    position, except two that dflash_model.draft_hidden skips: the first layer's q/k/v projections
+    position, except two that DFlashDraftModel.draft_hidden skips: the first layer's q/k/v projections
     run on one row per anchor and one mask row (the mask rows are one vector there), the last
     layer's o_proj and MLP on the predicting slots 1..block-1 alone. The context path (fc: no
     input grad; k/v projections: forward + both grads); the frozen LM head forward + input grad on
@@ -121,7 +126,7 @@ def make_settings(a, compile):
             "--ce-chunk-size", str(a.ce_chunk), "--log-interval", str(a.log_interval), "--save-interval", "1000000",
             "--output-dir", a.output_dir, "--eval-prompts", "0", "--queue-depth", "2", "--loss", a.loss,
             "--distill-top-k", str(a.distill_top_k)]
-    return tp.Settings.of_flags(argv + (["--compile"] if compile else []), drafter_attention=a.drafter_attention)
+    return cli.Settings.of_flags(argv + (["--compile"] if compile else []), drafter_attention=a.drafter_attention)
 
 
 def build_target(cfg, device, layer_ids, attention="dense", distillation=None):
@@ -131,7 +136,7 @@ def build_target(cfg, device, layer_ids, attention="dense", distillation=None):
         cfg.num_hidden_layers = max(layer_ids) + 1  # only the layers that are run are built
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16, attn_implementation="sdpa")
-    return tp.TargetReplica(model.eval().requires_grad_(False), layer_ids, torch.device(device), attention,
+    return ts.TargetReplica(model.eval().requires_grad_(False), layer_ids, torch.device(device), attention,
                             distillation=distillation)
 
 
@@ -355,7 +360,7 @@ def kernel_category(name):
     if "block_attention" in n:
         return "block attention (dm's Triton kernels)"
     if "ce_rows" in n:
-        return "LM-head CE reductions (dm.ce_rows)"
+        return "LM-head CE reductions (kn.ce_rows)"
     if n.startswith(("triton_red", "triton_per")):
         return "fused reductions (triton)"
     if n.startswith("triton_poi"):
@@ -485,7 +490,7 @@ def split_target_times(a, replica, report):
     --target-stages stages on the same GPU: what the stage boundaries cost (the copies between
     stages, a graph launch each), and the largest difference of their features."""
     batch = synthetic_batch(a, replica.model.config.vocab_size, replica.device)
-    split = tp.TargetReplica(replica.model, replica.target_layer_ids, [replica.device] * a.target_stages,
+    split = ts.TargetReplica(replica.model, replica.target_layer_ids, [replica.device] * a.target_stages,
                              a.target_attention, stack_mlps=False, distillation=replica.distillation)
     replica.set_compiled_layers(True)  # the layers are shared: the split replica's are compiled too
     out, features = {}, []
@@ -544,7 +549,7 @@ def drafter_beside_target(a, cfg, w, replica, target_hidden_size, report, steps)
     tb = synthetic_batch(a, cfg.vocab_size, replica.device)
     out = {}
     # no graph: many Python calls
-    eager_target = tp.TargetReplica(replica.model, replica.target_layer_ids, replica.device)
+    eager_target = ts.TargetReplica(replica.model, replica.target_layer_ids, replica.device)
     for label, busy, interval in (("alone", False, 1e-4), ("target eager beside, switch 5ms", True, 5e-3),
                                   ("target eager beside, switch 0.1ms", True, 1e-4)):
         sys.setswitchinterval(interval)
@@ -637,7 +642,7 @@ class ThroughputRun(tp.Run):
 def pipeline_throughput(a, cfg, replicas, drafter_devices, embed, head, compile, report):
     devices = [torch.device(d) for d in drafter_devices]
     settings = make_settings(a, compile)
-    target_attention, compile_target = tp.resolve_target_stage(settings, [replicas[0].device])
+    target_attention, compile_target = cli.resolve_target_stage(settings, [replicas[0].device])
     settings = settings.replace(target_layer_ids=replicas[0].target_layer_ids, drafter_devices=devices,
                                 target_devices=[r.device for r in replicas], target_attention=target_attention,
                                 compile_target=compile_target)
@@ -645,8 +650,9 @@ def pipeline_throughput(a, cfg, replicas, drafter_devices, embed, head, compile,
         r.drop_capture()
         r.set_compiled_layers(compile_target)
     drafters = [build_drafter(cfg, a, dev, embed, head) for dev in drafter_devices]
-    plan = tp.RunPlan(0, 0, len(drafter_devices), {"total_batches": a.pipeline_steps * len(drafter_devices),
-                      "warmup_batches": len(drafter_devices)}, {}, {})
+    W = len(drafter_devices)
+    schedule = {"total_batches": a.pipeline_steps * W, "warmup_batches": W, "decay_batches": (a.pipeline_steps - 1) * W}
+    plan = ck.RunPlan(0, 0, W, schedule, {}, {})
     log = tp.RunLog(a.output_dir, tp.Cluster())
     held_out = tp.HeldOut(settings, [], None, [], [], log)
     run = ThroughputRun(settings, plan, SyntheticBatches(a, cfg.vocab_size), drafters, log, held_out)
@@ -683,7 +689,7 @@ def generation_throughput(a, report):
             model = AutoModelForCausalLM.from_config(Qwen3Config(**PRESETS["qwen3-8b"]), dtype=torch.bfloat16).eval()
         name = "Qwen3-8B-shaped (random weights)"
     n_params = sum(p.numel() for p in model.parameters())
-    vocab = dm.text_config(model.config).vocab_size
+    vocab = helpers.text_config(model.config).vocab_size
     report(f"generation: {name}, {n_params / 1e9:.2f}B parameters, prompts of {a.gen_prompt_tokens} tokens, "
            f"{a.gen_new_tokens} new tokens per row")
     def timed(fn):  # (result, seconds) of one call, the GPU's work included
@@ -742,7 +748,7 @@ def main():
                    help="the drafter's block attention: flex_attention or dflash_model's Triton kernels; auto: the "
                    "pipeline's choice")
     p.add_argument("--attention-config", default="",
-                   help="comma list of KEY=VALUE over dm.BLOCK_ATTENTION_CONFIG (the Triton kernels' rows a "
+                   help="comma list of KEY=VALUE over kn.BLOCK_ATTENTION_CONFIG (the Triton kernels' rows a "
                    "program, keys a tile, warps, stages), e.g. fwd_rows=128,fwd_warps=8")
     p.add_argument("--target-attention", choices=("dense", "flex"), default="flex",
                    help="the target stage's attention in the sections after 'target' (which times both)")
@@ -788,9 +794,9 @@ def main():
     dm.HEAD_CE_KERNEL = a.ce_kernel
     for item in filter(None, a.attention_config.split(",")):
         key, value = item.split("=")
-        if key not in dm.BLOCK_ATTENTION_CONFIG:
-            raise SystemExit(f"--attention-config: {key} is not one of {', '.join(dm.BLOCK_ATTENTION_CONFIG)}")
-        dm.BLOCK_ATTENTION_CONFIG[key] = int(value)
+        if key not in kn.BLOCK_ATTENTION_CONFIG:
+            raise SystemExit(f"--attention-config: {key} is not one of {', '.join(kn.BLOCK_ATTENTION_CONFIG)}")
+        kn.BLOCK_ATTENTION_CONFIG[key] = int(value)
     from transformers import Qwen3Config
     cfg = Qwen3Config(**PRESETS[a.preset])
     layer_ids = dm.default_target_layer_ids(cfg.num_hidden_layers, a.draft_layers)
@@ -799,7 +805,7 @@ def main():
     target_devs = [f"cuda:{i}" for i in (a.target_gpus or "0").split(",")]
     drafter_devs = [f"cuda:{i}" for i in (a.drafter_gpus or ("1" if n_gpu >= 2 else "0")).split(",")]
     target_dev, drafter_dev = target_devs[0], drafter_devs[0]
-    a.drafter_attention = tp.resolve_drafter_attention(a.drafter_attention, [torch.device(drafter_dev)], cfg, a.block)
+    a.drafter_attention = cli.resolve_drafter_attention(a.drafter_attention, [torch.device(drafter_dev)], cfg, a.block)
     n_used = len(set(target_devs + drafter_devs))
     target_hidden_size = len(layer_ids) * cfg.hidden_size
     lines = []
@@ -818,7 +824,7 @@ def main():
     report(f"preset {a.preset}: batch {a.rows} x {a.max_length} tokens, {a.anchors} anchors/row x block {a.block}, "
            f"{a.draft_layers} draft layers, target layers {layer_ids}, LM-head CE kernel {a.ce_kernel}, "
            "drafter attention "
-           f"{a.drafter_attention} {dm.BLOCK_ATTENTION_CONFIG}; target on {target_devs}, drafter on {drafter_devs}")
+           f"{a.drafter_attention} {kn.BLOCK_ATTENTION_CONFIG}; target on {target_devs}, drafter on {drafter_devs}")
     report(f"FLOPs: {FORMULA}")
     results = {"preset": a.preset, "rows": a.rows, "max_length": a.max_length, "loss": a.loss}
     distillation = None if a.loss == "ce" else dict(top_k=a.distill_top_k, temperature=1.0)

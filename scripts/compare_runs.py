@@ -13,7 +13,7 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import plots  # noqa: E402
+from dflash_train import plots  # noqa: E402
 
 
 def summary(name, recs, final):

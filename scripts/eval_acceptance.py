@@ -26,10 +26,10 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import chat_data  # noqa: E402
-import demo_assets  # noqa: E402
+from dflash_train import chat_data  # noqa: E402
+from dflash_train import demo_assets  # noqa: E402
 import dflash_model as dm  # noqa: E402
-import evaluation  # noqa: E402
+from dflash_train import evaluation  # noqa: E402
 
 
 def main(argv=None):

@@ -22,10 +22,10 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import numpy as np  # noqa: E402
 
-import chat_data  # noqa: E402
-import decoding  # noqa: E402
-import evaluation  # noqa: E402
-import target_model  # noqa: E402
+from dflash_train import chat_data  # noqa: E402
+from dflash_train import decoding  # noqa: E402
+from dflash_train import evaluation  # noqa: E402
+from dflash_train import target_model  # noqa: E402
 
 
 def marked(tokenizer, ids, mask, colour):

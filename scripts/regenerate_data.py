@@ -27,11 +27,11 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import chat_data  # noqa: E402
-import demo_assets  # noqa: E402
-import regeneration  # noqa: E402
-import target_model  # noqa: E402
-import train_dflash_pipeline as tp  # noqa: E402
+from dflash_train import chat_data  # noqa: E402
+from dflash_train import demo_assets  # noqa: E402
+from dflash_train import regeneration  # noqa: E402
+from dflash_train import target_model  # noqa: E402
+from dflash_train import command_line as cli  # noqa: E402
 
 
 def main(argv=None):
@@ -81,7 +81,7 @@ def main(argv=None):
     if args.server:
         make_backend = lambda progress: regeneration.ServerBackend(args.server, args, progress)  # noqa: E731
     else:
-        devices = tp.parse_devices(args.gpus) if args.gpus else (
+        devices = cli.parse_devices(args.gpus) if args.gpus else (
             [torch.device("cuda", i) for i in range(torch.cuda.device_count())] or [torch.device("cpu")])
         tokenizer = target_model.load_tokenizer(args.target_model)
         make_backend = lambda progress: regeneration.EmbeddedBackend(  # noqa: E731

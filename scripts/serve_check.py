@@ -3,7 +3,7 @@
     python scripts/serve_check.py --target-model Qwen/Qwen3-8B --drafter runs/qwen3-8b/final \
         --num-prompts 20 --max-new-tokens 128 [--fix-engine-defects]
 
-Probes the engine's Python for the known engine defects (engine_defects.py) and says which apply,
+Probes the engine's Python for the known engine defects (dflash_train/engine_defects.py) and says which apply,
 then starts `vllm serve <target> --speculative-config '{"method": "dflash", "model": <drafter>,
 "num_speculative_tokens": block_size - 1}'` (with --fix-engine-defects: with their fixes applied
 in all of its processes), sends the held-out prompts (MT-Bench first turns by default) one at a
@@ -30,11 +30,11 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import demo_assets  # noqa: E402
+from dflash_train import demo_assets  # noqa: E402
 import dflash_model as dm  # noqa: E402
-import engine_defects  # noqa: E402
-import evaluation  # noqa: E402
-import target_model  # noqa: E402
+from dflash_train import engine_defects  # noqa: E402
+from dflash_train import evaluation  # noqa: E402
+from dflash_train import target_model  # noqa: E402
 
 
 def free_port():
@@ -118,7 +118,8 @@ def main(argv=None):
                         "build looks itself up as 'vllm' and fails)")
     p.add_argument("--extra", default="", help="more `vllm serve` arguments, e.g. '--dtype float32'")
     p.add_argument("--fix-engine-defects", action="store_true",
-                   help="start the engine with the fixes of the known engine defects (engine_defects.py) applied")
+                   help="start the engine with the fixes of the known engine defects "
+                   "(dflash_train/engine_defects.py) applied")
     p.add_argument("--json", default=None, help="write every figure here")
     args = p.parse_args(argv)
     import httpx

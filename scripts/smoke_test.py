@@ -29,9 +29,12 @@ import traceback
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import chat_data  # noqa: E402
+from dflash_train import chat_data  # noqa: E402
 import dflash_model as dm  # noqa: E402
 import train_dflash_pipeline as tp  # noqa: E402
+from dflash_train import checkpoints as ck  # noqa: E402
+from dflash_train import command_line as cli  # noqa: E402
+from dflash_train import target_stage as ts  # noqa: E402
 
 RESULTS = []
 SCRATCH = None  # the run's output directory, made by main()
@@ -85,11 +88,11 @@ def stop(exit_code):
 
 
 def main(argv=None):
-    parser = tp.build_parser()
+    parser = cli.build_parser()
     parser.description = __doc__.split("\n")[0]
     parser.add_argument("--smoke-steps", type=int, default=20, help="training steps to run")
     parser.add_argument("--time-limit", type=float, default=1800, help="seconds before the smoke test gives up")
-    flags = tp.parse_flags(argv, parser)
+    flags = cli.parse_flags(argv, parser)
     global SCRATCH
     SCRATCH = tempfile.mkdtemp(prefix="dflash_smoke_")
 
@@ -107,7 +110,7 @@ def main(argv=None):
     t = {}  # the Trainer, once its settings resolve
 
     def settings():
-        t["trainer"] = tp.Trainer(tp.resolve_settings(argparse.Namespace(**{**run_flags, **smoke})))
+        t["trainer"] = tp.Trainer(cli.resolve_settings(argparse.Namespace(**{**run_flags, **smoke})))
         s = t["trainer"].settings
         return (f"target {[str(d) for d in s.target_devices]}, drafter workers {[str(d) for d in s.drafter_devices]}, "
                 f"budget {s.token_budget}, compile {s.compile}")
@@ -116,7 +119,7 @@ def main(argv=None):
 
     def data():
         trainer.load_data()
-        return f"{trainer.corpus.stats.summary()[0]}; packing {trainer.batches.packing_efficiency:.1%}"
+        return f"{trainer.data.corpus.stats.summary()[0]}; packing {trainer.data.batches.packing_efficiency:.1%}"
     check("data reads and tokenises", data)
 
     def models():
@@ -136,8 +139,8 @@ def main(argv=None):
         # (flex against SDPA, fused against plain) part by a few percent; a missed window is 24-45%
         # on a 4-layer model (tests/test_data.py)
         tolerance = 0.08 if trainer.replicas[0].dtype == torch.bfloat16 else 1e-4
-        _, batch = next(trainer.batches.iterate(0))
-        errors = tp.stage_against_transformers(trainer.replicas[0], batch)
+        _, batch = next(trainer.data.batches.iterate(0))
+        errors = ts.stage_against_transformers(trainer.replicas[0], batch)
         wrong = {layer: round(e, 5) for layer, e in errors.items() if not e <= tolerance}
         if wrong:
             raise CheckFailed(f"the target stage's features differ from the transformers forward of each document "
@@ -187,7 +190,7 @@ def main(argv=None):
     def checkpoint():
         if trainer.finish() != 0:
             raise CheckFailed("the run did not finish cleanly (see the log above)")
-        found = tp.find_checkpoint("auto", SCRATCH, trainer.log)
+        found = ck.find_checkpoint("auto", SCRATCH, trainer.log)
         if found is None:
             raise CheckFailed("no checkpoint was written")
         ckpt = found[0]

@@ -33,8 +33,10 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import dflash_model as dm  # noqa: E402
-import target_model  # noqa: E402
-import train_dflash_pipeline as tp  # noqa: E402
+from dflash_train import target_model  # noqa: E402
+from dflash_train import kernels as kn  # noqa: E402
+from dflash_train import target_stage as ts  # noqa: E402
+from dflash_train import helpers  # noqa: E402
 
 B, L, H, KV, D, ANCHORS, BS = 4, 3072, 32, 8, 128, 512, 16
 KERNELS = ("block-attention", "flex-drafter", "flex-target", "adamw")
@@ -54,14 +56,14 @@ def compile_block_attention(heads_per_kv, rows=None, block_size=16, head_dim=128
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
-    c = dm.BLOCK_ATTENTION_CONFIG
+    c = kn.BLOCK_ATTENTION_CONFIG
     out = {}
-    for kernel, name in ((dm._block_attention_fwd, "fwd"), (dm._block_attention_bwd_block, "dq"),
-                         (dm._block_attention_bwd_context, "dkdv")):
-        program = dm._program_rows(rows or c[f"{name}_rows"], heads_per_kv, block_size, head_dim)
+    for kernel, name in ((kn._block_attention_fwd, "fwd"), (kn._block_attention_bwd_block, "dq"),
+                         (kn._block_attention_bwd_context, "dkdv")):
+        program = kn._program_rows(rows or c[f"{name}_rows"], heads_per_kv, block_size, head_dim)
         constexprs = dict(program, BLOCK_N=c[f"{name}_keys"])
         if "BLOCK_B" in kernel.arg_names:
-            constexprs["BLOCK_B"] = dm._own_keys(program["P"], block_size)
+            constexprs["BLOCK_B"] = kn._own_keys(program["P"], block_size)
         signature = {n: "constexpr" if n in constexprs else POINTERS.get(n, "fp32" if n == "sm_scale" else "i32")
                      for n in kernel.arg_names}
         # As Triton's launcher specializes them: 16-byte aligned pointers, and integers that are
@@ -71,7 +73,7 @@ def compile_block_attention(heads_per_kv, rows=None, block_size=16, head_dim=128
         out[kernel.__name__] = triton.compile(
             ASTSource(fn=kernel, signature=signature, constexprs=constexprs, attrs=aligned),
             target=GPUTarget("cuda", 90, 32),
-            options=dict(num_warps=c[f"{name}_warps"], num_stages=c[f"{name}_stages"], **dm.TRITON_OPTIONS))
+            options=dict(num_warps=c[f"{name}_warps"], num_stages=c[f"{name}_stages"], **kn.TRITON_OPTIONS))
     return out
 
 
@@ -151,7 +153,7 @@ def forward_backward(attend, q, k, v, gout):
 
 def tune_block_attention(dev):
     anchors, doc_ids, q, k, v, gout = drafter_attention_inputs(dev)
-    in_force = dict(dm.BLOCK_ATTENTION_CONFIG)
+    in_force = dict(kn.BLOCK_ATTENTION_CONFIG)
     candidates = [("in force", {})]
     for kernel in ("fwd", "dq", "dkdv"):
         for rows, keys, warps, stages in ((64, 64, 4, 3), (128, 64, 8, 3), (64, 128, 8, 2), (64, 64, 4, 2),
@@ -162,12 +164,12 @@ def tune_block_attention(dev):
                 candidates.append((f"{kernel} rows {rows} keys {keys} warps {warps} stages {stages}", change))
 
     def run(change):
-        dm.BLOCK_ATTENTION_CONFIG.update(in_force, **change)
+        kn.BLOCK_ATTENTION_CONFIG.update(in_force, **change)
         return forward_backward(dm.block_attend(anchors, doc_ids, BS), q, k, v, gout)
     try:
         compare("block-attention", candidates, run)
     finally:
-        dm.BLOCK_ATTENTION_CONFIG.update(in_force)
+        kn.BLOCK_ATTENTION_CONFIG.update(in_force)
 
 
 def tune_flex_drafter(dev):
@@ -204,7 +206,7 @@ def tune_flex_target(dev):
                            dict(BLOCK_M=m, BLOCK_N=n, num_warps=warps, num_stages=stages)))
 
     def run(options):
-        block_mask = tp.document_block_mask(doc_ids, tile=dm.flex_mask_tile(options))
+        block_mask = ts.document_block_mask(doc_ids, tile=helpers.flex_mask_tile(options))
         fn = torch.compile(lambda: flex_attention(q, k, v, block_mask=block_mask, enable_gqa=True,
                                                   kernel_options=options), dynamic=False)
         return fn, [fn()]
@@ -212,7 +214,7 @@ def tune_flex_target(dev):
 
 
 def tune_adamw(dev):
-    from flat_adamw import FlatAdamW
+    from dflash_train.flat_adamw import FlatAdamW
     # 268M parameters: a 5-layer drafter's order of size
     params = [torch.nn.Parameter(torch.randn(4096, 4096, device=dev)) for _ in range(16)]
     flat_grad = torch.randn(sum(p.numel() for p in params), device=dev).to(torch.bfloat16)
@@ -258,7 +260,7 @@ def main():
     for name in a.only.split(","):
         if name not in tuners:
             p.error(f"--only {name}: not one of {', '.join(KERNELS)}")
-        if name == "block-attention" and dm.triton is None:
+        if name == "block-attention" and kn.triton is None:
             print("block-attention: triton is not installed; skipped")
             continue
         tuners[name](dev)

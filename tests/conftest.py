@@ -1,13 +1,20 @@
-"""Small random-weight targets and a tokenizer the tests build themselves (nothing downloaded)."""
+"""What the tests share: small random-weight targets, drafters and a tokenizer they build themselves
+(nothing downloaded), chat data, and small runs of the trainer."""
 import json
 import os
+import random
 import shutil
 import subprocess
+import sys
 import tarfile
 
 import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedTokenizerFast
+
+import dflash_model as dm
+import train_dflash_pipeline as tp
+from dflash_train import checkpoints as ck
 
 CHAT_TEMPLATE = (
     "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<|end|>{% endfor %}"
@@ -136,3 +143,69 @@ def run_interpreted(check):
     out = subprocess.run([sys.executable, "-c", check, root], env=dict(os.environ, TRITON_INTERPRET="1"),
                          capture_output=True, text=True, timeout=300)
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-3000:]
+
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SCRIPT = os.path.join(ROOT, "train_dflash_pipeline.py")
+FAULT = os.path.join(ROOT, "tests", "fault_inject.py")  # the trainer with a worker that fails at a step
+WORDS = "the cat sat on a mat and then it ran to see the dog who was very happy".split()
+
+
+def chat_rows(n, seed=0):
+    rng = random.Random(seed)
+    rows = []
+    for i in range(n):
+        q = " ".join(rng.choice(WORDS) for _ in range(rng.randint(3, 10)))
+        a = " ".join(WORDS[(i + j) % len(WORDS)] for j in range(rng.randint(8, 30)))
+        if i % 2:
+            rows.append({"messages": [{"role": "user", "content": q}, {"role": "assistant", "content": a}]})
+        else:
+            rows.append({"conversations": [{"from": "human", "value": q}, {"from": "gpt", "value": a}]})
+    return rows
+
+
+def pipeline_args(out, model_dir, data, *extra):
+    """A small run of the tiny target into `out` (later flags in `extra` win)."""
+    return ["--target-model", model_dir, "--data", data, "--output-dir", str(out), "--cache-dir",
+            str(out.parent / "cache"), "--max-length", "128", "--token-budget", "256", "--num-anchors", "16",
+            "--block-size", "4", "--num-draft-layers", "2", "--lr", "1e-2", "--eval-prompts", "0", *extra]
+
+
+def run_cli(tmp_path, model_dir, data, *extra, timeout=600, fault_at=None):
+    program = [SCRIPT] if fault_at is None else [FAULT, str(fault_at), "train"]
+    cmd = [sys.executable, *program, *pipeline_args(tmp_path / "out", model_dir, data, *extra)]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+
+
+def metrics(tmp_path):
+    with open(tmp_path / "out" / "metrics.jsonl") as f:
+        return [json.loads(l) for l in f]
+
+
+SMALL = ["--target-gpus", "cpu", "--drafter-gpus", "cpu", "--num-draft-layers", "1", "--log-interval", "1"]
+
+
+def run_main(tmp_path, tiny_model_dir, out="o", *extra):
+    """The trainer in this process: pipeline_args' run, one draft layer on the CPU, into tmp_path / out."""
+    data = write_jsonl(tmp_path / "d.jsonl", chat_rows(40))
+    return tp.main(pipeline_args(tmp_path / out, tiny_model_dir, data, *SMALL, *extra))
+
+
+def steps_of(tmp_path, out="o"):
+    return ck.checkpoint_steps(str(tmp_path / out))
+
+
+def make_drafter(target, layers=2, block_size=4, seed=1):
+    torch.manual_seed(seed)
+    cfg = dm.make_drafter_config(target.config, mask_token_id=target.config.vocab_size - 1,
+                                 num_draft_layers=layers, block_size=block_size)
+    return dm.DFlashDraftModel(cfg).to(torch.float64).attach_target(target).eval()
+
+
+def tiny_gemma3(vocab=128, **config):
+    from transformers import AutoModelForCausalLM, Gemma3TextConfig
+    cfg = Gemma3TextConfig(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=6,
+                           num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512,
+                           sliding_window=16, tie_word_embeddings=True, **config)
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa").float().eval()

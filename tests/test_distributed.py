@@ -10,8 +10,7 @@ import time
 import torch
 from safetensors.torch import load_file
 
-from conftest import write_jsonl
-from test_pipeline import FAULT, ROOT, SCRIPT, chat_rows, pipeline_args
+from conftest import FAULT, ROOT, SCRIPT, chat_rows, pipeline_args, write_jsonl
 
 # One intra-op thread everywhere, so a matmul sums in the same order in every process.
 ENV = dict(os.environ, OMP_NUM_THREADS="1")
@@ -126,7 +125,8 @@ def test_machines_that_disagree_are_refused():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    code = ("import os, sys, torch; sys.path.insert(0, sys.argv[1]); import train_dflash_pipeline as tp, chat_data\n"
+    code = ("import os, sys, torch; sys.path.insert(0, sys.argv[1]); import train_dflash_pipeline as tp\n"
+            "from dflash_train import chat_data\n"
             "cluster = tp.Cluster.from_env([torch.device('cpu')], 60)\n"
             "try:\n    cluster.check_same('the step to resume from', [int(os.environ['RANK']) * 4])\n"
             "except chat_data.UsageError as e:\n    print('refused:', e)\n"

@@ -6,12 +6,16 @@ import types
 import pytest
 import torch
 
-import chat_data
-import decoding
-import evaluation
-import flat_adamw
 import dflash_model as dm
 import train_dflash_pipeline as tp
+from dflash_train import chat_data
+from dflash_train import command_line as cli
+from dflash_train import decoding
+from dflash_train import evaluation
+from dflash_train import flat_adamw as fa
+from dflash_train import helpers
+from dflash_train import kernels as kn
+from dflash_train import target_stage as ts
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
@@ -26,7 +30,7 @@ def small_target_config():
 
 def make_worker(compile, seed=0, device="cuda:0", rank=0, averager=None, attention="triton", token_budget=ROWS * LENGTH,
                 extra=()):
-    args = tp.Settings.of_flags(["--max-length", str(LENGTH), "--token-budget", str(token_budget),
+    args = cli.Settings.of_flags(["--max-length", str(LENGTH), "--token-budget", str(token_budget),
                                  "--num-anchors", "64", "--num-draft-layers", "2", "--lr", "3e-4", *extra]
                                 + (["--compile"] if compile else []),
                                 target_layer_ids=dm.default_target_layer_ids(8, 2), drafter_attention=attention)
@@ -160,14 +164,14 @@ def test_target_token_budget_that_does_not_fit_names_one_that_does(compile):
     from transformers import AutoModelForCausalLM
     with torch.device("cuda:0"):
         model = AutoModelForCausalLM.from_config(small_target_config(), dtype=torch.bfloat16, attn_implementation="sdpa")
-    replica = tp.TargetReplica(model.eval().requires_grad_(False), dm.default_target_layer_ids(8, 2), torch.device("cuda:0"))
+    replica = ts.TargetReplica(model.eval().requires_grad_(False), dm.default_target_layer_ids(8, 2), torch.device("cuda:0"))
     args = types.SimpleNamespace(token_budget=100_000 * LENGTH, max_length=LENGTH, compile=compile)
     with pytest.raises(chat_data.UsageError, match="does not fit the target stage") as e:
-        tp.warm_up_target([replica], args, print)
+        ts.warm_up_target([replica], args, print)
     fits = suggested_budget(e.value)
     assert LENGTH <= fits < args.token_budget
     del e
-    tp.warm_up_target([replica], types.SimpleNamespace(**{**vars(args), "token_budget": fits}), print)
+    ts.warm_up_target([replica], types.SimpleNamespace(**{**vars(args), "token_budget": fits}), print)
     assert (replica.graphs is not None) == compile
 
 
@@ -245,7 +249,7 @@ def test_the_gpu_step_reads_the_bf16_weights_the_optimizer_keeps():
     # after every update (eager, then captured) the copy must be the new weights cast to bf16.
     w = make_worker(compile=False)
     opt, a = w.optimizer, w.settings
-    assert isinstance(opt, flat_adamw.FlatAdamW) and sum(bf16 is not None for *_, bf16 in w.grad_into) == 15
+    assert isinstance(opt, fa.FlatAdamW) and sum(bf16 is not None for *_, bf16 in w.grad_into) == 15
     b = batches(1)[0]
     inputs = [b[k] for k in tp.BATCH_KEYS] + [w.anchor_noise(1, torch.empty(ROWS, LENGTH, device="cuda"))]
     params = list(w.drafter.parameters())
@@ -271,7 +275,7 @@ def test_the_gpu_step_reads_the_bf16_weights_the_optimizer_keeps():
         w.set_lr(step)
         w.clip_and_update()
         assert torch.equal(opt.weight_bf16, opt.flat_param.to(torch.bfloat16))
-    assert [p.data_ptr() for p in params] == [v.data_ptr() for v in flat_adamw.flat_views(opt.flat_param, params)]
+    assert [p.data_ptr() for p in params] == [v.data_ptr() for v in fa.flat_views(opt.flat_param, params)]
     c = captured_worker()
     run_steps(c, batches(3))
     assert torch.equal(c.optimizer.weight_bf16, c.optimizer.flat_param.to(torch.bfloat16))
@@ -319,7 +323,7 @@ def test_peak_memory_flat_over_500_steps():
 def test_pipeline_compiled_end_to_end(tmp_path, tiny_model_dir, layout):
     import json
     import os
-    from test_pipeline import chat_rows, pipeline_args
+    from conftest import chat_rows, pipeline_args
     from conftest import write_jsonl
     n = torch.cuda.device_count()
     t, d = {"shared": ("0", "0"), "one_target_two_drafters": ("0", "0,0" if n < 2 else "1,1"),
@@ -348,7 +352,7 @@ def test_sharded_flat_adamw_trains_exactly_like_the_whole_one_graphed(tmp_path, 
     losses and the same drafter."""
     import json
     from safetensors.torch import load_file
-    from test_pipeline import chat_rows, pipeline_args
+    from conftest import chat_rows, pipeline_args
     from conftest import write_jsonl
     data = write_jsonl(tmp_path / "d.jsonl", chat_rows(80))
     d = "0,0" if torch.cuda.device_count() < 2 else "0,1"
@@ -393,7 +397,7 @@ def test_flex_block_mask_on_gpu_equals_create_block_mask_forward_and_backward():
     # The per-block BlockMask on the GPU, built eagerly and compiled (Triton), against
     # create_block_mask's; then flex_attention's output and q/k/v gradients through each.
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
-    from test_model import BLOCK_MASK_FIELDS
+    from test_dflash_model import BLOCK_MASK_FIELDS
     c = drafter_mask_case(H=4, KV=2, D=128)
     want = create_block_mask(c.mask_mod, c.B, None, c.A * c.bs, c.L + c.A * c.bs, device="cuda")
     eager = dm.flex_block_mask(c.starts, c.anchors, c.L, c.bs, c.mask_mod)
@@ -418,10 +422,10 @@ def test_triton_block_attention_as_close_to_fp32_as_flex(block_size, D, rows, mo
     # Qwen3-8B's heads (32 query, 8 KV: 4 x 16 rows a block), documents and padding; one block a
     # program in every kernel, then two (three of 4 x 10 rows).
     for kernel in ("fwd", "dq", "dkdv"):
-        monkeypatch.setitem(dm.BLOCK_ATTENTION_CONFIG, f"{kernel}_rows", rows)
+        monkeypatch.setitem(kn.BLOCK_ATTENTION_CONFIG, f"{kernel}_rows", rows)
     exact, case = (drafter_mask_case(H=32, KV=8, D=D, bs=block_size, dtype=dtype)
                    for dtype in (torch.float32, torch.bfloat16))
-    want = output_and_grads(dm.sdpa_attend(dm.dense_block_mask(exact.anchors, exact.doc, block_size)), exact)
+    want = output_and_grads(helpers.sdpa_attend(dm.dense_block_mask(exact.anchors, exact.doc, block_size)), exact)
     flex = output_and_grads(dm.flex_attend(case.anchors, case.doc, block_size), case)
     ours = output_and_grads(dm.block_attend(case.anchors, case.doc, block_size), case)
     for name, w, f, o in zip(("out", "dq", "dk", "dv"), want, flex, ours):
@@ -451,9 +455,9 @@ def test_flex_backward_options_give_bitwise_the_same_gradients(D):
         assert torch.equal(a, b)
 
 
-@pytest.mark.skipif(dm.triton is None, reason="needs triton")
+@pytest.mark.skipif(kn.triton is None, reason="needs triton")
 def test_triton_lm_head_ce_matches_inductor_chunks(monkeypatch):
-    # The CUDA default's reductions (dm.ce_rows) against inductor's compiled chunk, through the
+    # The CUDA default's reductions (kn.ce_rows) against inductor's compiled chunk, through the
     # custom op and its backward: two chunks, the second partial, a vocabulary off the block.
     torch.manual_seed(0)
     N, D, V, chunk = 3000, 512, 50257, 2048
@@ -533,9 +537,9 @@ def test_flex_target_stage_equals_dense_graphed_and_eager(head_dim):
     from conftest import tiny_target
     model = tiny_target(arch="llama", dtype=torch.bfloat16, init_std=0.15, layers=4,
                         head_dim=head_dim).to("cuda").requires_grad_(False)
-    dense = tp.TargetReplica(model, [1, 2], torch.device("cuda:0"), "dense")
-    flex = tp.TargetReplica(model, [1, 2], torch.device("cuda:0"), "flex")
-    assert flex.mask_tile == (64 if head_dim == 128 and dm.hopper(torch.device("cuda:0")) else 128)
+    dense = ts.TargetReplica(model, [1, 2], torch.device("cuda:0"), "dense")
+    flex = ts.TargetReplica(model, [1, 2], torch.device("cuda:0"), "flex")
+    assert flex.mask_tile == (64 if head_dim == 128 and helpers.hopper(torch.device("cuda:0")) else 128)
     g = torch.Generator().manual_seed(0)
 
     def batch(seed):
@@ -552,7 +556,7 @@ def test_flex_target_stage_equals_dense_graphed_and_eager(head_dim):
     # bf16 rounding alone moves the dense path's features by about 2% (0.56 at most, features up
     # to 14; measured on the H200): each path is held to the same fp32 reference, within 10% of
     # the dense path's own rounding error, not to the dense path element by element
-    exact = tp.TargetReplica(copy.deepcopy(model).float(), [1, 2], torch.device("cuda:0"), "dense")
+    exact = ts.TargetReplica(copy.deepcopy(model).float(), [1, 2], torch.device("cuda:0"), "dense")
 
     def check(replica, b):
         ref = exact.target_hidden(b).float()
@@ -566,7 +570,7 @@ def test_flex_target_stage_equals_dense_graphed_and_eager(head_dim):
     for b in (first, second):
         check(flex, b)
     # the decoder layers compiled (--compile-target), then captured
-    fused = tp.TargetReplica(copy.deepcopy(model), [1, 2], torch.device("cuda:0"), "flex", compile_layers=True)
+    fused = ts.TargetReplica(copy.deepcopy(model), [1, 2], torch.device("cuda:0"), "flex", compile_layers=True)
     fused.capture(2, 640)
     for b in (first, second):
         check(fused, b)
@@ -581,9 +585,9 @@ def test_a_split_target_on_one_gpu_equals_the_whole_one_graphed(distill):
     model = tiny_target(arch="llama", dtype=torch.bfloat16, init_std=0.15, layers=4,
                         head_dim=128).to("cuda").requires_grad_(False)
     distillation = dict(top_k=8, temperature=1.0) if distill else None
-    whole = tp.TargetReplica(model, [0, 2], torch.device("cuda:0"), "flex", compile_layers=True,
+    whole = ts.TargetReplica(model, [0, 2], torch.device("cuda:0"), "flex", compile_layers=True,
                              distillation=distillation)
-    split = tp.TargetReplica(model, [0, 2], [torch.device("cuda:0")] * 2, "flex", stack_mlps=False,
+    split = ts.TargetReplica(model, [0, 2], [torch.device("cuda:0")] * 2, "flex", stack_mlps=False,
                              distillation=distillation)
     assert [(s.first, s.end) for s in split.stages] == [(0, 2), (2, 4)]
     whole.capture(2, 640)

@@ -18,10 +18,11 @@ import numpy as np
 import torch
 
 import dflash_model as dm
-from chat_data import BadRow, DocumentStats, jsonl_rows, prompt_ids, row_to_messages
-from decoding import check_batchable, generate, lookup_accepted, speculative_generate
-from demo_assets import BUILTIN_MODEL, mtbench_file
-from target_model import collect_layer_outputs, load_full_target, load_tokenizer, stop_token_ids
+from dflash_train.chat_data import BadRow, DocumentStats, jsonl_rows, prompt_ids, row_to_messages
+from dflash_train.decoding import check_batchable, generate, lookup_accepted, speculative_generate
+from dflash_train.demo_assets import BUILTIN_MODEL, mtbench_file
+from dflash_train.target_model import collect_layer_outputs, load_full_target, load_tokenizer, stop_token_ids
+from dflash_train import helpers
 
 def prompt_turns(row):
     """The user turns of one prompts-file row: text, or token ids (input_ids: one turn, the prompt
@@ -134,6 +135,17 @@ def sync(device):
         torch.cuda.synchronize(device)
 
 
+def replayed_gains(tau_at, n):
+    """Greedy speculative decoding replayed over a known continuation of n tokens: its first
+    token comes with the prompt, then each block gains tau_at(i) at the i-th token (0-based),
+    the next block starting where that gain ends."""
+    gains, i = [], 0
+    while i + 1 < n:  # the output has i + 1 tokens
+        gains.append(tau_at(i))
+        i += gains[-1]
+    return gains
+
+
 @torch.no_grad()
 def teacher_forced_gains(target, drafter, prompt_ids, generated):
     """The drafter teacher-forced on the target's own greedy continuation: (tau at every generated
@@ -151,17 +163,6 @@ def teacher_forced_gains(target, drafter, prompt_ids, generated):
     taus = drafter.accepted_lengths(torch.cat(hidden, -1).to(drafter.fc.weight.dtype), ids,
                                     torch.arange(P, L - 1, device=ids.device)[None])[0].tolist()
     return taus, replayed_gains(lambda i: taus[i], L - P)
-
-
-def replayed_gains(tau_at, n):
-    """Greedy speculative decoding replayed over a known continuation of n tokens: its first
-    token comes with the prompt, then each block gains tau_at(i) at the i-th token (0-based),
-    the next block starting where that gain ends."""
-    gains, i = [], 0
-    while i + 1 < n:  # the output has i + 1 tokens
-        gains.append(tau_at(i))
-        i += gains[-1]
-    return gains
 
 
 @torch.no_grad()
@@ -374,7 +375,7 @@ def evaluate_models(target, tokenizer, drafter, prompts, device, max_new_tokens,
 def drafter_target_mismatches(drafter_config, target_config):
     """What a drafter's config says of its target that this target is not: hidden size,
     vocabulary, layer count, target layers past its layers. An empty list if it fits."""
-    tc = dm.text_config(target_config)
+    tc = helpers.text_config(target_config)
     layers = tc.num_hidden_layers
     ids = list(drafter_config.dflash_config["target_layer_ids"])
     out = [f"{name} {getattr(drafter_config, name)} (the target: {getattr(tc, name)})"

@@ -6,14 +6,11 @@ import json
 import os
 import types
 
-import numpy as np
 import pytest
-import torch
 
-import chat_data
-import demo_assets
-import train_dflash_pipeline as tp
-from conftest import tiny_tokenizer, write_jsonl
+from dflash_train import chat_data
+from dflash_train import demo_assets
+from conftest import chat_rows, tiny_tokenizer, write_jsonl
 
 SYSTEM = "You are terse."
 CONVERSATION = [  # (user, assistant) pairs; the assistant turns carry think blocks
@@ -189,7 +186,7 @@ def test_skips_and_truncations_are_summarised_not_printed_per_row(tmp_path):
 def test_tokenising_processes_give_the_documents_and_counts_of_one(tmp_path):
     """Chunks of rows tokenised by forked processes come back in file order: the same documents,
     counts, reasons and examples as one process, whatever the chunk boundaries."""
-    from test_pipeline import chat_rows
+    from conftest import chat_rows
     tok = tiny_tokenizer()
     multi = {"messages": [{"role": "user", "content": "q one"}, {"role": "assistant", "content": "a " * 40},
                           {"role": "user", "content": "q two"}, {"role": "assistant", "content": "b " * 30}]}
@@ -212,7 +209,7 @@ def _killed(lines):  # a tokenising process killed mid-read, as by the OOM kille
 
 def test_a_tokenising_process_that_dies_stops_the_read_rather_than_hanging(tmp_path, monkeypatch):
     from concurrent.futures.process import BrokenProcessPool
-    from test_pipeline import chat_rows
+    from conftest import chat_rows
     path = write_jsonl(tmp_path / "d.jsonl", chat_rows(40))
     monkeypatch.setattr(chat_data, "_read_chunk", _killed)
     with pytest.raises(BrokenProcessPool):
@@ -236,7 +233,7 @@ def test_cache_key_covers_tokenizer_contents_and_template_options(tmp_path):
 
 def test_inspect_data_dumps_what_the_pipeline_trains(tmp_path, capsys):
     from scripts import inspect_data
-    from test_pipeline import chat_rows
+    from conftest import chat_rows
     tok = tiny_tokenizer()
     tok_dir = tmp_path / "tok"
     tok.save_pretrained(tok_dir)
@@ -267,7 +264,7 @@ def test_inspect_data_replays_prompt_lookup_over_each_trained_span(tmp_path, cap
     line = inspect_data.lookup_summary([(True, [6]), (False, [1, 1])])
     assert "acceptance 2.67 (first span of a document 6.00, later spans 1.00); 0.0% of the tokens in whole blocks" in line
     assert "100.0% of the tokens in whole blocks" in inspect_data.lookup_summary([(True, [16, 16])])
-    from test_pipeline import chat_rows
+    from conftest import chat_rows
     tok_dir = tmp_path / "tok"
     tiny_tokenizer().save_pretrained(tok_dir)
     path = write_jsonl(tmp_path / "d.jsonl", chat_rows(5))
@@ -277,128 +274,11 @@ def test_inspect_data_replays_prompt_lookup_over_each_trained_span(tmp_path, cap
 
 # --- mask token ------------------------------------------------------------------------------
 
-def corpus_of(ids):
-    return chat_data.Corpus(np.asarray(ids, np.int32), np.ones(len(ids), np.uint8), np.asarray([0, len(ids)]), None)
-
-
-def test_mask_token_qwen3_unused_embedding_row(real_tokenizer, tmp_path):
-    tok = real_tokenizer("qwen3")
-    assert tp.choose_mask_token_id(tok, 151936, corpus_of([1, 2]), None, str(tmp_path)) == 151669
-
-
-def test_mask_token_llama3_reserved_never_a_stop_id(real_tokenizer, tmp_path):
-    tok = real_tokenizer("llama3_1")
-    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [128001, 128008, 128009]}))
-    mask = tp.choose_mask_token_id(tok, 128256, corpus_of([1, 2]), None, str(tmp_path))
-    assert mask == 128002 and tok.convert_ids_to_tokens(mask) == "<|reserved_special_token_0|>"
-    for stop in (128001, 128008, 128009, 128000, 128006):  # stop ids, bos, a template token
-        with pytest.raises(chat_data.UsageError, match=f"--mask-token-id {stop} .* is used by"):
-            tp.choose_mask_token_id(tok, 128256, corpus_of([1, 2]), stop, str(tmp_path))
-    # a reserved token that appears in the data is passed over
-    assert tp.choose_mask_token_id(tok, 128256, corpus_of([128002]), None, str(tmp_path)) == 128003
-
-
-def test_mask_token_smollm2_shaped(tmp_path):
-    """SmolLM2: every embedding row is a token and no token is 'reserved'; its code-repository
-    specials are unused by chat text, while <|endoftext|>, <|im_start|>, <|im_end|> never qualify."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<repo_name>", "<reponame>", "<file_sep>"]
-    vocab = {t: i for i, t in enumerate(specials + [chr(c) for c in range(32, 127)])}
-    t = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<|endoftext|>"))
-    t.pre_tokenizer = pre_tokenizers.Split(pattern="", behavior="isolated")
-    t.add_special_tokens(specials)
-    tok = PreTrainedTokenizerFast(tokenizer_object=t, bos_token="<|im_start|>", eos_token="<|im_end|>",
-                                  pad_token="<|im_end|>", unk_token="<|endoftext|>")
-    tok.chat_template = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
-                         "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
-    assert tp.choose_mask_token_id(tok, len(tok), corpus_of([10, 11]), None, str(tmp_path)) == 3
-    with pytest.raises(chat_data.UsageError, match="--mask-token-id 1 "):
-        tp.choose_mask_token_id(tok, len(tok), corpus_of([10]), 1, str(tmp_path))
-    with pytest.raises(chat_data.UsageError, match="no unused special token"):
-        tp.choose_mask_token_id(tok, len(tok), corpus_of([3, 4]), None, str(tmp_path))
-
 
 # --- Gemma: a target that scales its embedding ------------------------------------------------
 
-def tiny_gemma3(vocab=128, **config):
-    from transformers import AutoModelForCausalLM, Gemma3TextConfig
-    cfg = Gemma3TextConfig(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=6,
-                           num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512,
-                           sliding_window=16, tie_word_embeddings=True, **config)
-    torch.manual_seed(0)
-    return AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa").float().eval()
-
-
-def test_gemma_drafter_embeds_through_the_scaled_embedding():
-    import dflash_model as dm
-    target = tiny_gemma3()
-    cfg = dm.make_drafter_config(target.config, mask_token_id=127, num_draft_layers=1, block_size=4)
-    drafter = dm.DFlashDraftModel(cfg).attach_target(target)
-    ids = torch.tensor([[5, 127, 127, 127]])
-    scaled = target.get_input_embeddings()(ids)
-    plain = torch.nn.functional.embedding(ids, target.get_input_embeddings().weight)
-    assert torch.allclose(scaled, plain * 64 ** 0.5)
-    assert torch.equal(drafter.embed_tokens(ids), scaled)
-    assert "embed_tokens.weight" not in drafter.state_dict()
-
-
-def assert_stage_equals_forward(tmp_path, target, layers, attention, lengths, padding=0, low=0, distillation=None):
-    """The target stage's hidden states of random documents of `lengths` packed in one row (and
-    `padding` tokens after them) equal the transformers forward of each document alone, and so
-    does its next-token distribution with a distillation (the top k of the forward's softmax of
-    logits / temperature); returns the stage's embedding module."""
-    target.save_pretrained(tmp_path / "t")
-    tiny_tokenizer().save_pretrained(tmp_path / "t")
-    (rep,), embed, _ = tp.load_target_replicas(str(tmp_path / "t"), [torch.device("cpu")], layers, log=lambda *a: None,
-                                               target_attention=attention, distillation=distillation)
-    g = torch.Generator().manual_seed(0)
-    docs = [torch.randint(low, 100, (n,), generator=g) for n in lengths]
-    pad = torch.zeros(padding, dtype=torch.long)
-    batch = {"input_ids": torch.cat(docs + [pad])[None],
-             "doc_ids": torch.cat([torch.full((len(d),), i) for i, d in enumerate(docs)] + [pad - 1])[None],
-             "position_ids": torch.cat([torch.arange(len(d)) for d in docs] + [pad])[None]}
-    outputs, at = rep.outputs(batch), 0
-    for d in docs:
-        forward = target(d[None], output_hidden_states=True)
-        hs = forward.hidden_states
-        torch.testing.assert_close(outputs["target_hidden"][0, at:at + len(d)],
-                                   torch.cat([hs[i + 1] for i in layers], -1)[0], rtol=1e-4, atol=1e-4)
-        if distillation:
-            want = (forward.logits[0].float() / distillation["temperature"]).softmax(-1).topk(distillation["top_k"])
-            assert torch.equal(outputs["target_top_ids"][0, at:at + len(d)].long(), want.indices)
-            torch.testing.assert_close(outputs["target_top_probs"][0, at:at + len(d)], want.values,
-                                       rtol=1e-4, atol=1e-6)
-        at += len(d)
-    return embed
-
-
-@pytest.mark.parametrize("attention,lengths", [("dense", (20, 9)), ("flex", (20, 9)), ("flex", (150, 203, 60))])
-def test_gemma_target_stage_equals_the_transformers_forward(tmp_path, attention, lengths):
-    """Features of packed documents (target stage, document mask; sliding-window layers with
-    their own) equal the hidden states of the transformers forward of each document alone. The
-    flex path at 416 tokens: tiles of 128 that are fully visible, partly and not at all."""
-    embed = assert_stage_equals_forward(tmp_path, tiny_gemma3(), [1, 3], attention, lengths, padding=3)
-    assert embed(torch.tensor([3])).abs().sum() > 0
-
-
-@pytest.mark.parametrize("arch", ["qwen3", "gemma3"])
-def test_the_distribution_the_drafter_learns_is_the_targets_own_softmax(tmp_path, arch):
-    """--loss kl/mix: the target stage's top-k of packed documents are the transformers forward's
-    probabilities at the distillation temperature (Gemma 3 with its final logit soft-capping)."""
-    from conftest import tiny_target
-    target = tiny_gemma3(final_logit_softcapping=3.0) if arch == "gemma3" else \
-        tiny_target(vocab=128, dtype=torch.float32, init_std=0.15)
-    assert_stage_equals_forward(tmp_path, target, [1, 3], "dense", (20, 9), padding=3,
-                                distillation=dict(top_k=8, temperature=0.7, kl_weight=1.0))
-
 
 # --- target layers ----------------------------------------------------------------------------
-
-def test_last_target_layer_refused(tmp_path, tiny_model_dir):
-    from test_pipeline import run_cli
-    r = run_cli(tmp_path, tiny_model_dir, "unused.jsonl", "--target-layer-ids", "1,5")
-    assert r.returncode == 2 and "[5] are outside [0, 5)" in r.stderr and "final-normed" in r.stderr
 
 
 def test_builtin_prompts_keep_the_demo_conversations_first_then_add_the_long_ones(tmp_path, monkeypatch):
@@ -446,7 +326,7 @@ def loaded_corpus(paths, cache, fields=None):
 
 
 def format_rows():
-    from test_pipeline import chat_rows
+    from conftest import chat_rows
     return chat_rows(12)
 
 
@@ -595,7 +475,7 @@ def test_server_regeneration_keeps_reasoning_and_tool_calls_and_the_datas_tool_t
     answer to it; the tools schema goes with each request."""
     import http.server
     import threading
-    import regeneration
+    from dflash_train import regeneration
     requests = []
 
     class Handler(http.server.BaseHTTPRequestHandler):
@@ -642,188 +522,27 @@ def test_server_regeneration_keeps_reasoning_and_tool_calls_and_the_datas_tool_t
     assert all(r["tools"] == [WEATHER] for r in requests) and requests[1]["messages"][3]["role"] == "tool"
 
 
-def tiny_windowed(arch, window=8):
-    """A tiny target whose every layer attends through a plain sliding window (no layer types:
-    Mistral, Phi-3), or Qwen2's use_sliding_window on its upper layers."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-    extra = dict(use_sliding_window=True, max_window_layers=2) if arch == "qwen2" else {}
-    cfg = AutoConfig.for_model(arch, vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
-                               num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                               sliding_window=window, pad_token_id=0, eos_token_id=1, bos_token_id=2, **extra)
-    torch.manual_seed(0)
-    return AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa").float().eval()
-
-
-@pytest.mark.parametrize("arch", ["mistral", "phi3", "qwen2"])
-@pytest.mark.parametrize("attention", ["dense", "flex"])
-def test_sliding_windows_of_every_kind_equal_the_transformers_forward(tmp_path, arch, attention):
-    """Windows of 8 tokens, documents of 20 and 31: the packed features equal the forward of each
-    document alone (the window in the stage's mask, where the model's own mask would have had
-    it); the batched decoder, which does not apply windows, refuses such a target."""
-    import decoding
-    target = tiny_windowed(arch)
-    assert_stage_equals_forward(tmp_path, target, [0, 2], attention, (20, 31), low=3)
-    with pytest.raises(ValueError, match="sliding-window attention"):
-        decoding.check_batchable(target.config)
-
-
-def test_the_smoke_tests_layer_check_sees_a_stage_that_is_not_the_model(monkeypatch):
-    """stage_against_transformers (the smoke test's check) on a packed row: equal to the forward
-    of each document alone when the stage keeps the window; with the window dropped (a stage that
-    ignores a plain sliding_window) the documents longer than it differ by far more than
-    rounding."""
-    target = tiny_windowed("mistral")
-    g = torch.Generator().manual_seed(0)
-    lengths = (20, 31)
-    batch = {"input_ids": torch.randint(3, 100, (1, sum(lengths)), generator=g),
-             "doc_ids": torch.cat([torch.full((n,), i) for i, n in enumerate(lengths)])[None],
-             "position_ids": torch.cat([torch.arange(n) for n in lengths])[None]}
-    right = tp.TargetReplica(target, [0, 2], torch.device("cpu"))
-    assert max(tp.stage_against_transformers(right, batch).values()) < 1e-5
-    monkeypatch.setattr(tp, "target_windows", lambda tc: (None, None))
-    errors = tp.stage_against_transformers(tp.TargetReplica(target, [0, 2], torch.device("cpu")), batch)
-    assert min(errors.values()) > 0.01, errors
-
-
-def test_a_target_the_batched_decoder_does_not_handle_is_evaluated_by_its_own_forward(tmp_path):
-    """A plain sliding window (Mistral; windows of 8 tokens, answers longer than that): the run
-    trains, and its evaluation decodes with the model's own forward (said in the log), lossless:
-    every speculative output equals the target's greedy one, decoded by the same fallback."""
-    target = tiny_windowed("mistral")
-    target.save_pretrained(tmp_path / "t")
-    tiny_tokenizer().save_pretrained(tmp_path / "t")
-    data = write_jsonl(tmp_path / "d.jsonl", [{"messages": [{"role": "user", "content": "q"},
-                                                             {"role": "assistant", "content": "an answer"}]}])
-    prompts = write_jsonl(tmp_path / "p.jsonl", [{"prompt": "hello"}, {"prompt": "a longer prompt, and more"}])
-    argv = ["--target-model", str(tmp_path / "t"), "--data", data, "--output-dir", str(tmp_path / "o"),
-            "--eval-data", prompts, "--max-steps", "1", "--max-length", "64", "--token-budget", "64",
-            "--num-anchors", "4", "--block-size", "4", "--num-draft-layers", "1", "--eval-max-new-tokens", "24"]
-    assert tp.main(argv) == 0
-    log = (tmp_path / "o" / "train.log").read_text()
-    assert "sliding-window attention" in log and "the model's own forward decodes" in log
-    report = json.loads((tmp_path / "o" / "final" / "eval_acceptance.json").read_text())
-    assert report["lossless"] and report["answers"] == 2 and report["generated_tokens"] > 2 * 8
-
-
-def test_the_fallback_decoder_equals_the_models_own_greedy_generation():
-    """generate() through ModelDecoder (a windowed target, rows refilled as they finish) against
-    transformers' own greedy loop, token for token."""
-    import decoding
-    target = tiny_windowed("mistral", window=4)
-    prompts = [[5, 6, 7], [9, 10, 11, 12, 13, 14], [20, 21]]
-    got = decoding.generate(target, prompts, 12, batch_size=2)
-    for prompt, (tokens, _) in zip(prompts, got):
-        ids = torch.tensor([prompt])
-        for _ in range(12):
-            nxt = target(ids).logits[0, -1].argmax()
-            ids = torch.cat([ids, nxt.view(1, 1)], 1)
-        assert tokens == ids[0, len(prompt):].tolist()
-
-
-@pytest.mark.parametrize("arch,named", [("gemma2", "soft-capping"), ("gpt_oss", "attention sinks"),
-                                        ("qwen3_next", "linear-attention")])
-def test_targets_whose_attention_the_stage_does_not_compute_are_refused_by_name(tmp_path, arch, named):
-    from transformers import AutoConfig
-    config = AutoConfig.for_model(arch, vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
-                                  num_attention_heads=4, num_key_value_heads=2)
-    config.save_pretrained(tmp_path / "t")
-    flags = tp.build_parser().parse_args(["--target-model", str(tmp_path / "t"), "--data", "x.jsonl"])
-    with pytest.raises(chat_data.UsageError, match=named):
-        tp.resolve_settings(flags)
-
-
 # --- every common architecture: exact, or refused before training -----------------------------
 
-SMALL = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
-             num_key_value_heads=2, max_position_embeddings=512, pad_token_id=0, eos_token_id=1, bos_token_id=2)
-# family: (its config's extra fields, what happens: "trains" (and evaluates), "trains, evaluated by
-# the model's own forward: <what the batched decoder does not handle>", or "refused: <named>")
-FAMILIES = {
-    "qwen3": ({}, "trains"),
-    "qwen2": ({}, "trains"),
-    "llama": ({}, "trains"),
-    "mistral": ({"sliding_window": None}, "trains"),
-    "phi3": ({"sliding_window": None}, "trains"),
-    "qwen3_moe": ({"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32}, "trains"),
-    "mistral+window": ({"sliding_window": 8}, "trains, evaluated by the model's own forward: sliding-window"),
-    "qwen2+window": ({"use_sliding_window": True, "sliding_window": 8, "max_window_layers": 2},
-                     "trains, evaluated by the model's own forward: sliding-window"),
-    "gemma3_text": ({"sliding_window": 8, "head_dim": 16}, "trains, evaluated by the model's own forward: sliding-window"),
-    "deepseek_v3": ({"num_key_value_heads": 4, "n_routed_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
-                     "first_k_dense_replace": 1, "n_group": 1, "topk_group": 1, "q_lora_rank": 32, "kv_lora_rank": 16,
-                     "qk_rope_head_dim": 8, "qk_nope_head_dim": 8, "v_head_dim": 16},
-                    "trains, evaluated by the model's own forward: multi-head latent attention"),
-    "gemma2": ({}, "refused: soft-capping"),
-    "gpt_oss": ({}, "refused: attention sinks"),
-    "qwen3_next": ({}, "refused: linear-attention"),
-}
+
+def test_rows_that_are_not_utf8_are_counted_skips(tmp_path):
+    from conftest import tiny_tokenizer
+    good = json.dumps(chat_rows(1)[0]).encode()
+    path = tmp_path / "d.jsonl"
+    path.write_bytes(good + b"\n" + good.replace(b"cat", b"c\xff\xfet") + b"\n")
+    docs, stats = chat_data.read_documents(str(path), tiny_tokenizer(), 128, 128)
+    assert stats.skipped_rows == {"not UTF-8 text": 1} and stats.examples["not UTF-8 text"] == ["d.jsonl:2"]
+    assert all(0xFFFD not in ids for ids, _ in docs)
 
 
-@pytest.mark.parametrize("family", sorted(FAMILIES))
-def test_every_common_architecture_is_exact_or_refused_by_name(tmp_path, family, capsys):
-    """What a new user meets with each family (a tiny random-weight config, packed chat data, the
-    evaluator on): training and the evaluation run, with the target stage's features equal to the
-    transformers forward of each packed document alone (whole, and split in two and three
-    stages), and the evaluation lossless: by the batched decoder, or where it does not handle the
-    target by the model's own forward, the log naming why; or the target is refused by name."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-    extra, outcome = FAMILIES[family]
-    config = AutoConfig.for_model(family.split("+")[0], **{**SMALL, **extra})
-    torch.manual_seed(0)
-    if outcome.startswith("refused"):
-        config.save_pretrained(tmp_path / "t")
-    else:
-        AutoModelForCausalLM.from_config(config).float().save_pretrained(tmp_path / "t")
-    tiny_tokenizer().save_pretrained(tmp_path / "t")
-    from test_pipeline import chat_rows
-    data = write_jsonl(tmp_path / "d.jsonl", chat_rows(12))
-    prompts = write_jsonl(tmp_path / "p.jsonl", [{"prompt": "the cat"}])
-    argv = ["--target-model", str(tmp_path / "t"), "--data", data, "--output-dir", str(tmp_path / "o"),
-            "--cache-dir", str(tmp_path / "cache"), "--max-length", "128", "--token-budget", "256", "--num-anchors",
-            "8", "--block-size", "4", "--num-draft-layers", "1", "--target-layer-ids", "0,2", "--max-steps", "2",
-            "--eval-data", prompts, "--eval-prompts", "1", "--eval-max-new-tokens", "16"]
-    capsys.readouterr()
-    rc = tp.main(argv)
-    err = capsys.readouterr().err
-    if outcome.startswith("refused"):
-        assert rc == 2 and outcome.split(": ")[1] in err, err
-        return
-    assert rc == 0, err
-    assert json.loads((tmp_path / "o" / "final" / "eval_acceptance.json").read_text())["lossless"]
-    log = (tmp_path / "o" / "train.log").read_text()
-    assert ("the model's own forward decodes" in log) == ("own forward" in outcome), outcome
-    assert "own forward" not in outcome or outcome.split(": ")[1] in log
-    (replica,), _, _ = tp.load_target_replicas(str(tmp_path / "t"), [torch.device("cpu")], [0, 2], log=lambda *a: None)
-    g = torch.Generator().manual_seed(1)
-    lengths = (40, 23, 50)
-    batch = {"input_ids": torch.randint(3, 100, (1, sum(lengths)), generator=g),
-             "doc_ids": torch.cat([torch.full((n,), i) for i, n in enumerate(lengths)])[None],
-             "position_ids": torch.cat([torch.arange(n) for n in lengths])[None]}
-    errors = tp.stage_against_transformers(replica, batch)
-    assert max(errors.values()) < 1e-4, errors
-    # split over two and three stages (one layer each): the same features, and the smoke test's
-    # check holds the split stages against the model's own forward too
-    for stages in (2, 3):
-        (split,), _, _ = tp.load_target_replicas(str(tmp_path / "t"), [torch.device("cpu")] * stages, [0, 2],
-                                                 log=lambda *a: None, stages=stages)
-        assert [(s.first, s.end) for s in split.stages] == list(zip(tp.stage_bounds(3, stages),
-                                                                    tp.stage_bounds(3, stages)[1:]))
-        torch.testing.assert_close(split.target_hidden(batch), replica.target_hidden(batch), rtol=1e-6, atol=1e-6)
-        assert max(tp.stage_against_transformers(split, batch).values()) < 1e-4
-
-
-def test_a_split_stage_starts_from_the_hidden_states_passed_on_even_where_the_model_scales_its_input(tmp_path):
-    """Granite multiplies inputs_embeds inside its base model's forward: a later stage, which is
-    handed the stage before's hidden states as inputs_embeds, must not scale them again. The split
-    replica's features equal the plain transformers forward's layer outputs."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-    config = AutoConfig.for_model("granite", **SMALL, embedding_multiplier=12.0, residual_multiplier=0.5)
-    torch.manual_seed(0)
-    target = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").float().eval()
-    ids = torch.randint(3, 100, (1, 30))
-    with tp.collect_layer_outputs(target, [0, 2]) as want, torch.no_grad():
-        target(input_ids=ids)
-    split = tp.TargetReplica(target, [0, 2], [torch.device("cpu")] * 3, stack_mlps=False)
-    got = split.outputs({"input_ids": ids, "position_ids": torch.arange(30)[None],
-                         "doc_ids": torch.zeros(1, 30, dtype=torch.long)})["target_hidden"]
-    torch.testing.assert_close(got, torch.cat(want, dim=-1), rtol=1e-5, atol=1e-5)
+@pytest.mark.parametrize("row", [{"messages": None}, "a string", [1, 2], {"input_ids": "12", "loss_mask": [1, 1]},
+                                 {"input_ids": [1, 2], "loss_mask": 5}, {"messages": ["hi"]}])
+def test_a_badly_typed_row_is_a_counted_skip(tmp_path, row):
+    from conftest import tiny_tokenizer
+    path = tmp_path / "d.jsonl"
+    path.write_text(json.dumps(row) + "\n" + json.dumps(chat_rows(1)[0]) + "\n")
+    docs, stats = chat_data.read_documents(str(path), tiny_tokenizer(), 128, 128)
+    (tmp_path / "good.jsonl").write_text(json.dumps(chat_rows(1)[0]) + "\n")
+    assert docs == chat_data.read_documents(str(tmp_path / "good.jsonl"), tiny_tokenizer(), 128, 128)[0]
+    assert sum(stats.skipped_rows.values()) == 1
+    assert next(iter(stats.examples.values())) == ["d.jsonl:1"]

@@ -19,8 +19,9 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from dflash_model import block_mask_of_tiles, sdpa_attend, text_config
-from target_model import attention_implementation, collect_layer_outputs, register_flex_attention, target_windows
+from dflash_train.helpers import block_mask_of_tiles, sdpa_attend, text_config
+from dflash_train.target_model import attention_implementation, collect_layer_outputs, register_flex_attention, \
+    target_windows
 
 
 def kv_layout(config):

@@ -9,8 +9,8 @@ import functools
 import numpy as np
 import torch
 
-from demo_assets import builtin_model_dir
-from dflash_model import compiled, hopper
+from dflash_train.demo_assets import builtin_model_dir
+from dflash_train.helpers import compiled, hopper
 
 def resolve_model_path(name):
     """A model's directory or hub id; built-in names (builtin:...) are made on first use."""
@@ -116,8 +116,8 @@ def flex_attention_for_transformers(module, query, key, value, attention_mask, d
 
 
 # flex_attention's forward on Hopper at head_dim 128 under the target stage's document mask:
-# 64 x 64 tiles with 4 warps instead of inductor's 128 x 64 with 8: 7.5% faster with the same
-# output (docs/benchmarks.md, target stage).
+# 64 x 64 tiles with 4 warps instead of inductor's 128 x 64 with 8: faster with the same output
+# (docs/benchmarks.md, kernel choices).
 SM90_FLEX_TARGET = {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4, "num_stages": 3}
 
 

@@ -8,7 +8,8 @@ kernel updates every parameter (FlatAdamW).
 import torch
 from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
 
-import dflash_model as dm
+from dflash_train.kernels import TRITON_OPTIONS, tl, triton
+
 
 class GradInto(torch.autograd.Function):
     """A parameter, as itself or as its bf16 copy; in the backward its gradient is copied into
@@ -61,9 +62,7 @@ class WeightGradsIntoBuffer(CustomGraphPass):
         return get_hash_for_files((__file__,))
 
 
-if dm.triton is not None:
-    triton, tl = dm.triton, dm.tl
-
+if triton is not None:
     @triton.jit
     def _adamw_kernel(param, grad, exp_avg, exp_avg_sq, weight_bf16, clip, coef, n, beta1, beta2, eps,
                       BLOCK: tl.constexpr):
@@ -158,4 +157,4 @@ class FlatAdamW(torch.optim.AdamW):
         n = self.flat_param.numel()
         _adamw_kernel[(triton.cdiv(n, self.BLOCK),)](
             self.flat_param, self.flat_grad, self.exp_avg, self.exp_avg_sq, self.weight_bf16, clip, coef, n,
-            beta1, beta2, group["eps"], BLOCK=self.BLOCK, num_warps=self.WARPS, **dm.TRITON_OPTIONS)
+            beta1, beta2, group["eps"], BLOCK=self.BLOCK, num_warps=self.WARPS, **TRITON_OPTIONS)

@@ -25,7 +25,7 @@ import time
 
 import numpy as np
 
-from demo_assets import builtin_data
+from dflash_train.demo_assets import builtin_data
 
 class UsageError(Exception):
     """A setting that cannot work: reported with what to change, before any model loads."""
@@ -55,6 +55,12 @@ def parse_chat_template_kwargs(text):
         raise UsageError(f"--chat-template-kwargs {text!r} must be a JSON object, "
                          "e.g. '{\"enable_thinking\": false}'")
     return value
+
+
+def written(message):
+    """Whether an assistant turn holds anything the model wrote: text, reasoning or tool calls."""
+    return bool(message["content"].strip() or message.get("reasoning_content", "").strip()
+                or message.get("tool_calls"))
 
 
 def row_to_messages(row, require_assistant=True):
@@ -100,12 +106,6 @@ def row_to_messages(row, require_assistant=True):
     if require_assistant and not any(m["role"] == "assistant" and written(m) for m in messages):
         raise BadRow("no assistant turn")
     return messages
-
-
-def written(message):
-    """Whether an assistant turn holds anything the model wrote: text, reasoning or tool calls."""
-    return bool(message["content"].strip() or message.get("reasoning_content", "").strip()
-                or message.get("tool_calls"))
 
 
 def row_tools(row):
@@ -420,7 +420,6 @@ def parse_data_fields(text):
                              f"{', '.join(DATA_FIELDS)}")
         fields[ours.strip()] = theirs.strip()
     return fields
-
 
 
 def jsonl_rows(path, stats, skip=frozenset()):

@@ -11,7 +11,6 @@ import argparse
 import hashlib
 import json
 import os
-import signal
 import threading
 import time
 import traceback
@@ -19,11 +18,12 @@ from collections import Counter, deque
 
 import torch
 
-from chat_data import BadRow, DocumentStats, Progress, jsonl_rows, prompt_ids, row_to_messages, row_tools
-from decoding import generate
-import demo_assets
-from dflash_model import text_config
-from target_model import load_full_target, load_tokenizer, stop_token_ids
+from dflash_train.helpers import signals_handled
+from dflash_train.chat_data import BadRow, DocumentStats, Progress, jsonl_rows, prompt_ids, row_to_messages, row_tools
+from dflash_train.decoding import generate
+from dflash_train import demo_assets
+from dflash_train.helpers import text_config
+from dflash_train.target_model import load_full_target, load_tokenizer, stop_token_ids
 
 def prompt_key(asks):
     """A row's identity by content: a hash of the turns regeneration answers."""
@@ -278,31 +278,29 @@ def regenerate(input_path, output, make_backend, window=4096, log=print, desc="r
     summary = {"rows": 0, "turns": 0, "tokens": 0, "finish": Counter(), "rejected": 0, "rejects": rejects,
                "skipped": Counter(skipped.skipped_rows), "interrupted": False}
 
-    def on_sigint(signum, frame):
+    def on_signal(signum):
+        if summary["interrupted"]:  # the second: at once
+            raise KeyboardInterrupt
         summary["interrupted"] = True
-        log("interrupted: stopping after the round under way (again to stop at once); a rerun resumes")
-        signal.signal(signal.SIGINT, signal.default_int_handler)
-    in_main = threading.current_thread() is threading.main_thread()
-    old_handler = signal.signal(signal.SIGINT, on_sigint) if in_main else None
-    with open(output, "a") as out, open(rejects, "a") as bad:
-        for finished in regenerate_rounds(backend, todo, window, summary, progress):
-            for c in finished:
-                if c.skip is not None:
-                    summary["skipped"][c.skip] += 1
-                elif c.error is not None:
-                    summary["rejected"] += 1
-                    bad.write(json.dumps({"id": c.row_id, "reason": c.error}) + "\n")
-                else:
-                    row = {"id": c.row_id, "key": c.key, "messages": c.outs}
-                    out.write(json.dumps(row if c.tools is None else {**row, "tools": c.tools}) + "\n")
-                    summary["rows"] += 1
-            for f in (out, bad):
-                f.flush()
-                os.fsync(f.fileno())
-            if summary["interrupted"]:
-                break
-    if in_main:
-        signal.signal(signal.SIGINT, old_handler)
+        log(f"signal {signum}: stopping after the round under way (again to stop at once); a rerun resumes")
+    with signals_handled(on_signal):
+        with open(output, "a") as out, open(rejects, "a") as bad:
+            for finished in regenerate_rounds(backend, todo, window, summary, progress):
+                for c in finished:
+                    if c.skip is not None:
+                        summary["skipped"][c.skip] += 1
+                    elif c.error is not None:
+                        summary["rejected"] += 1
+                        bad.write(json.dumps({"id": c.row_id, "reason": c.error}) + "\n")
+                    else:
+                        row = {"id": c.row_id, "key": c.key, "messages": c.outs}
+                        out.write(json.dumps(row if c.tools is None else {**row, "tools": c.tools}) + "\n")
+                        summary["rows"] += 1
+                for f in (out, bad):
+                    f.flush()
+                    os.fsync(f.fileno())
+                if summary["interrupted"]:
+                    break
     progress.close()
     if not summary["rejected"]:
         os.remove(rejects)

@@ -66,6 +66,26 @@ def package_file(package):
     return out
 
 
+def publish_directory(tmp, out, marker):
+    """Move the finished directory tmp to out in one step. Where another process got there first
+    (out holds its marker file), its copy is the same and tmp is dropped."""
+    try:
+        os.replace(tmp, out)
+    except OSError:
+        if not os.path.isfile(os.path.join(out, marker)):
+            raise
+        shutil.rmtree(tmp)
+    return out
+
+
+def write_jsonl_atomically(path, rows):
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path + ".tmp", "w") as f:
+        for row in rows:
+            f.write(json.dumps(row) + "\n")
+    os.replace(path + ".tmp", path)
+
+
 def builtin_model_dir(name=BUILTIN_MODEL):
     """A transformers directory (config, weights, tokenizer) of SmolLM2-135M-Instruct."""
     if name != BUILTIN_MODEL:
@@ -90,18 +110,6 @@ def builtin_model_dir(name=BUILTIN_MODEL):
     model.save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
     return publish_directory(tmp, out, "config.json")
-
-
-def publish_directory(tmp, out, marker):
-    """Move the finished directory tmp to out in one step. Where another process got there first
-    (out holds its marker file), its copy is the same and tmp is dropped."""
-    try:
-        os.replace(tmp, out)
-    except OSError:
-        if not os.path.isfile(os.path.join(out, marker)):
-            raise
-        shutil.rmtree(tmp)
-    return out
 
 
 def iter_json_array(path, chunk_size=1 << 20):
@@ -168,14 +176,6 @@ def builtin_prompts_file():
 def builtin_data(name):
     """A built-in data name's JSONL file, or the name itself."""
     return {BUILTIN_DATA: builtin_data_file, BUILTIN_PROMPTS: builtin_prompts_file}.get(name, lambda: name)()
-
-
-def write_jsonl_atomically(path, rows):
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    with open(path + ".tmp", "w") as f:
-        for row in rows:
-            f.write(json.dumps(row) + "\n")
-    os.replace(path + ".tmp", path)
 
 
 def mtbench_file():
