@@ -27,7 +27,6 @@ import json
 import math
 import os
 import queue
-import shutil
 import sys
 import threading
 import time
@@ -55,6 +54,9 @@ from dflash_train.throughput import StageClock, split_advice
 from dflash_train.helpers import budget_error
 from dflash_train.helpers import signals_handled
 from dflash_train.memory_plan import decoding_bytes, whole_target_parameters
+from dflash_train.target_stage import check_against_transformers, tolerance
+from dflash_train.checkpoints import final_is_whole, save_final
+from dflash_train.memory_plan import plan_verdict
 
 # -----------------------------------------------------------------------------
 # Drafter worker: one thread, one device, one replica
@@ -642,8 +644,14 @@ class RunLog:
         self.metrics = open(self.metrics_path, "a")
 
     def record(self, rec):
-        """One line of metrics.jsonl (first machine only), stamped with the training time so far."""
+        """One line of metrics.jsonl (first machine only), stamped with the training time so far.
+        A metrics.jsonl deleted during the run is recreated and said, never written to unseen."""
         if self.metrics is not None:
+            if not os.path.exists(self.metrics_path):
+                self.metrics.close()
+                self.metrics = open(self.metrics_path, "a")
+                self(f"metrics.jsonl was deleted during the run: recreated at step {rec['step']}, the records "
+                     "before it are gone")
             self.metrics.write(json.dumps({"step": rec["step"], "elapsed_s": round(self.elapsed_s(), 1), **rec}) + "\n")
             self.metrics.flush()
 
@@ -1075,10 +1083,27 @@ def build_drafters(settings, mask_token_id, embed, head, log):
 # -----------------------------------------------------------------------------
 # One run, stage by stage: the command line and the smoke test call the same stages
 
+def packed_batch(batches, cursor, look=64):
+    """The first batch from the cursor on with a row of several documents (within `look`
+    batches; else the first), for the target check: a document boundary is where a stage that
+    carries state across documents shows."""
+    first = None
+    for _, (_, batch) in zip(range(look), batches.iterate(cursor)):
+        first = first or batch
+        if max(len(set(row.tolist()) - {-1}) for row in batch["doc_ids"]) > 1:
+            return batch
+    return first
+
+
+def fmt_errors(errors):
+    return ", ".join(f"{layer}: {e:.1e}" for layer, e in errors.items())
+
+
 class Trainer:
-    """A run in four stages: load_data (the corpus, batches, validation rows, the mask token,
+    """A run in five stages: load_data (the corpus, batches, validation rows, the mask token,
     and where a resumed run starts), load_models (the target stage and the drafter replicas),
-    train (warm-up, capture, the steps), finish (the final drafter, its evaluation, the plots)."""
+    check_target (the stage against the model's own forward), train (warm-up, capture, the
+    steps), finish (the final drafter, its evaluation, the plots)."""
 
     def __init__(self, settings, cluster=None):
         self.settings, self.cluster = settings, cluster or Cluster()
@@ -1096,6 +1121,7 @@ class Trainer:
         self.plan, self.resumed = None, None  # load_data: the RunPlan; (path, weights, state) resumed from
         self.replicas = self.drafters = None  # load_models
         self.run = None  # train
+        self.evaluating = False  # finish: while the final evaluation runs (a signal then stops it)
 
     def load_data(self):
         """The data stage, then the run's plan. Returns whether there are steps left to train;
@@ -1128,6 +1154,11 @@ class Trainer:
             f"{plan.schedule['decay_batches'] // W})")
         if plan.start_step >= plan.total_steps:
             log(f"nothing to do: already at step {plan.start_step} of {plan.total_steps}")
+            if self.resumed and self.cluster.is_main and not final_is_whole(s.output_dir):
+                drafter = dm.DFlashDraftModel(dm.DFlashDraftModel.read_config(self.resumed[0]))
+                drafter.load_state_dict(self.resumed[1])
+                log(f"final/ was missing or partial: rebuilt from {self.resumed[0]} at "
+                    f"{save_final(s.output_dir, drafter, plan.defining)}")
             return False
         return True
 
@@ -1147,6 +1178,21 @@ class Trainer:
             for d in self.drafters:
                 d.load_state_dict(weights)
 
+    def check_target(self):
+        """The target stage against the model's own forward on one of the run's first batches (its
+        dtype, attention path and stages): a target the stage does not compute exactly is refused
+        here, before any step. Returns {target layer: largest relative error}."""
+        t0 = time.perf_counter()
+        batch = packed_batch(self.data.batches, self.plan.start_cursor)
+        errors = check_against_transformers(self.replicas[0], batch)
+        docs = max(len(set(row.tolist()) - {-1}) for row in batch["doc_ids"])
+        self.log(f"target check: the stage's features of a packed row of {docs} documents against the model's own "
+                 f"forward of each document alone, largest relative error per layer {fmt_errors(errors)} (limit "
+                 f"{tolerance(self.replicas[0].dtype):g}), in {time.perf_counter() - t0:.1f}s"
+                 + ("" if docs > 1 else "; no row of the first batches packs two documents, so the check saw no "
+                    "document boundary"))
+        return errors
+
     def train(self, show_progress=True):
         """Warm-up, capture and every step of the plan (or until a signal or an error)."""
         s, first_machine = self.settings, self.cluster.is_main
@@ -1162,9 +1208,11 @@ class Trainer:
     def finish(self):
         """After train: the errors reported, or the last checkpoint and the final drafter saved,
         evaluated on held-out prompts (checked lossless) and plotted. Returns the exit code. A
-        signal meanwhile skips the evaluation (if it has not begun) but not the saving."""
+        signal meanwhile never stops the saving; it skips the evaluation, or stops it where it is."""
         def on_signal(signum):
             self.run.interrupted = True
+            if self.evaluating:
+                raise KeyboardInterrupt  # in the main thread, inside the evaluation's decoding
             self.log(f"signal {signum}: finishing: the checkpoint and the final drafter are saved, the evaluation "
                      "is skipped")
         with signals_handled(on_signal):
@@ -1187,10 +1235,7 @@ class Trainer:
             return 0
         if final_step not in checkpoint_steps(s.output_dir):  # interrupted between saves
             run.save(final_step)
-        final_dir = os.path.join(s.output_dir, "final")
-        shutil.rmtree(final_dir, ignore_errors=True)
-        run.workers[0].drafter.save_pretrained(final_dir, dtype=torch.bfloat16)
-        dm.write_training_record(final_dir, self.plan.defining)
+        final_dir = save_final(s.output_dir, run.workers[0].drafter, self.plan.defining)
         for line in self.data.corpus.stats.summary():
             log(f"data: {line.strip()}")
         log(f"done: {final_step} steps; drafter saved to {final_dir}")
@@ -1198,7 +1243,15 @@ class Trainer:
         gc.collect()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
-        report = self.evaluate_final(final_dir) if not run.interrupted and s.eval_prompts > 0 else None
+        report = None
+        if not run.interrupted and s.eval_prompts > 0:
+            self.evaluating = True
+            try:
+                report = self.evaluate_final(final_dir)
+            except KeyboardInterrupt:
+                log(f"signal: the evaluation stopped where it was; the drafter is saved in {final_dir}")
+            finally:
+                self.evaluating = False
         write_plots(s.output_dir, log)
         if report is not None and not report["lossless"]:
             wrong = [m for m in report["mismatches"] if not m["near_tie"]]
@@ -1243,6 +1296,7 @@ def train(settings):
     try:
         if trainer.load_data():
             trainer.load_models()
+            trainer.check_target()
             trainer.train()
             rc = trainer.finish()
     finally:
@@ -1256,8 +1310,10 @@ def main(argv=None):
     try:
         settings = resolve_settings(parse_flags(argv))
         if settings.plan:
-            print(plan_text(memory_plan(settings), settings))
-            return 0
+            plan = memory_plan(settings)
+            fits, verdict = plan_verdict(settings, plan)
+            print(plan_text(plan, settings) + "\n" + verdict)
+            return 0 if fits else 1
         return train(settings)
     except UsageError as e:
         print(f"error: {e}", file=sys.stderr)

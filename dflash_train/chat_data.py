@@ -63,6 +63,30 @@ def written(message):
                 or message.get("tool_calls"))
 
 
+def served_tool_calls(calls):
+    """An assistant turn's tool calls as vLLM hands them to the chat template: each call's
+    arguments a mapping (a JSON string, as OpenAI-style data and servers hold them, parsed; an
+    empty or missing one {}), so a template's `arguments | tojson` prints the object the model
+    writes, never a string of it. BadRow naming a call that is not one."""
+    out = []
+    for i, call in enumerate(calls):
+        function = call.get("function")
+        if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+            raise BadRow(f"tool_calls[{i}] of an assistant turn has no function name")
+        arguments = function.get("arguments")
+        if not arguments:
+            arguments = {}
+        elif isinstance(arguments, str):
+            try:
+                arguments = json.loads(arguments)
+            except ValueError:
+                raise BadRow(f"tool_calls[{i}].function.arguments is neither JSON nor a mapping") from None
+        elif not isinstance(arguments, (dict, list)):
+            raise BadRow(f"tool_calls[{i}].function.arguments is neither JSON nor a mapping")
+        out.append({**call, "function": {**function, "arguments": arguments}})
+    return out
+
+
 def row_to_messages(row, require_assistant=True):
     """[{role, content, ...}] of a `messages` (OpenAI) or `conversations` (ShareGPT) row, roles
     normalised; an assistant turn keeps its reasoning (`reasoning_content`, or a server's
@@ -92,7 +116,7 @@ def row_to_messages(row, require_assistant=True):
             if calls:
                 if not isinstance(calls, list) or not all(isinstance(c, dict) for c in calls):
                     raise BadRow("tool_calls of an assistant turn is not a list of objects")
-                message["tool_calls"] = calls
+                message["tool_calls"] = calls = served_tool_calls(calls)
             if content is None and (reasoning is not None or calls):
                 content = ""  # a turn that only reasons or calls tools (the servers send null content)
         elif message["role"] == "tool":
@@ -368,9 +392,16 @@ def numbered_lines(path, skip=frozenset()):
                 yield lineno, None
 
 
-def present(row):
-    """A columnar row without the columns it has no value in (Arrow gives every row every column)."""
-    return {k: v for k, v in row.items() if v is not None}
+def present(value):
+    """A columnar row without the fields it has no value in, at every depth: Arrow gives every row
+    every column, and every struct (a message, a tool call's arguments) every field any row's
+    has, null where it has none; a row written as JSON would not hold them, and a template would
+    render them (a tool call's arguments with the other rows' keys as null)."""
+    if isinstance(value, dict):
+        return {k: present(v) for k, v in value.items() if v is not None}
+    if isinstance(value, list):
+        return [present(v) for v in value]
+    return value
 
 
 def numbered_rows(path):
@@ -583,12 +614,15 @@ def tokenizer_fingerprint(tokenizer):
 
 
 def corpus_cache_key(paths, tokenizer, max_length, vocab_size, chat_template_kwargs, fields=None):
+    """The tokenised corpus's cache key: every data file's contents (not its name, size or time:
+    a file edited in place is new data), the tokenizer, the template options, the fields read and
+    the shapes."""
     h = hashlib.sha256()
     for p in paths:  # a directory (a saved data set): every file in it
         files = sorted(os.path.join(d, f) for d, _, fs in os.walk(p) for f in fs) if os.path.isdir(p) else [p]
         for f in files:
-            st = os.stat(f)
-            h.update(f"{os.path.abspath(f)}|{st.st_size}|{st.st_mtime_ns}".encode())
+            with open(f, "rb") as data:
+                h.update(hashlib.file_digest(data, "blake2b").digest())
     h.update(f"{tokenizer_fingerprint(tokenizer)}|{json.dumps(chat_template_kwargs or {}, sort_keys=True)}|"
              f"{json.dumps(fields or {}, sort_keys=True)}|{max_length}|{vocab_size}|v{TOKENIZATION_VERSION}".encode())
     return h.hexdigest()[:20]
@@ -601,10 +635,15 @@ def load_corpus(paths, tokenizer, max_length, vocab_size, cache_dir, chat_templa
     key = corpus_cache_key(paths, tokenizer, max_length, vocab_size, chat_template_kwargs, fields)
     cache_file = os.path.join(cache_dir, f"corpus_{key}.npz")
     if os.path.exists(cache_file):
-        z = np.load(cache_file, allow_pickle=False)
-        corpus = Corpus(z["ids"], z["mask"], z["offsets"], DocumentStats.from_dict(json.loads(str(z["stats"]))))
-        log(f"data: {len(corpus)} documents from cache {cache_file}")
-        return corpus
+        try:
+            z = np.load(cache_file, allow_pickle=False)
+            corpus = Corpus(z["ids"], z["mask"], z["offsets"], DocumentStats.from_dict(json.loads(str(z["stats"]))))
+            if not len(corpus.ids) == len(corpus.mask) == corpus.offsets[-1]:
+                raise ValueError("its arrays disagree")
+            log(f"data: {len(corpus)} documents from cache {cache_file}")
+            return corpus
+        except Exception as e:  # noqa: BLE001  (a torn or foreign file: whatever numpy or zipfile raise)
+            log(f"data: the cache {cache_file} cannot be read ({type(e).__name__}: {str(e)[:120]}); tokenising anew")
     from tqdm import tqdm
     docs, stats = [], DocumentStats()
     for path in tqdm(paths, unit="file", disable=None if len(paths) > 1 else True, desc="tokenising"):

@@ -232,6 +232,31 @@ def save_checkpoint(out_dir, step, worker, plan, keep, optimizer_state, elapsed_
     return final
 
 
+def save_final(out_dir, drafter, defining):
+    """The drafter to serve (bf16) with its training record in out_dir/final: written to a
+    temporary directory, fsynced, then swapped in, so a kill leaves the previous final/ or the
+    new one whole, never a partial one."""
+    final, tmp, old = (os.path.join(out_dir, name) for name in ("final", ".tmp_final", ".old_final"))
+    for path in (tmp, old):
+        shutil.rmtree(path, ignore_errors=True)
+    drafter.save_pretrained(tmp, dtype=torch.bfloat16)
+    dm.write_training_record(tmp, defining)
+    for name in os.listdir(tmp):
+        fsync_path(os.path.join(tmp, name))
+    fsync_path(tmp)
+    if os.path.exists(final):
+        os.replace(final, old)
+    os.replace(tmp, final)
+    fsync_path(out_dir)
+    shutil.rmtree(old, ignore_errors=True)
+    return final
+
+
+def final_is_whole(out_dir):
+    """Whether out_dir/final holds a drafter (its config and weights)."""
+    return all(os.path.isfile(os.path.join(out_dir, "final", f)) for f in ("config.json", "model.safetensors"))
+
+
 def load_checkpoint(path):
     """(weights, training state) of a checkpoint directory; raises if either cannot be read.
     Nothing in it runs code: the weights are safetensors, the state is read with torch's

@@ -2,6 +2,8 @@
 refusals and advice, and the warm-up's measurement of the largest token budget that fits."""
 
 import collections
+import functools
+import json
 import os
 
 import torch
@@ -29,10 +31,13 @@ DRAFTER_ACTIVATIONS = "drafter step activations (estimate)"
 ESTIMATED = (TARGET_ACTIVATIONS, DRAFTER_ACTIVATIONS)
 
 
-def parameter_count(module_fn):
-    """Parameters of the module module_fn builds, built on the meta device (no memory)."""
+@functools.cache
+def drafter_parameters(config_json):
+    """The drafter's parameter count of a drafter config (as JSON), built on the meta device (no
+    memory), once a config: the nearest layout that fits tries many."""
     with torch.device("meta"):
-        return sum(p.numel() for p in module_fn().parameters())
+        drafter = dm.DFlashDraftModel(dm.Qwen3Config.from_dict(json.loads(config_json)))
+    return sum(p.numel() for p in drafter.parameters())
 
 
 TARGET_PARTS = {}  # target_parts' counts by config (as JSON): a meta build of a large model takes seconds
@@ -92,7 +97,7 @@ def memory_plan(settings):
             plan[d][TARGET_ACTIVATIONS] += target_act
     drafter_cfg = dm.make_drafter_config(config, mask_token_id=0, num_draft_layers=s.num_draft_layers,
                                          block_size=s.block_size, target_layer_ids=s.target_layer_ids)
-    drafter_params = parameter_count(lambda: dm.DFlashDraftModel(drafter_cfg))
+    drafter_params = drafter_parameters(drafter_cfg.to_json_string())
     P = R * s.num_anchors * s.block_size  # block positions a step
     context = 2 * T * (2 * n * H + 2 * H + 4 * kv_heads * head_dim * s.num_draft_layers)
     blocks = 2 * P * s.num_draft_layers * (4 * H + 3 * heads * head_dim + 4 * kv_heads * head_dim + 3 * I)
@@ -122,6 +127,62 @@ def plan_text(plan, settings):
         lines.append(f"{device}: {total / GB:.1f} of {cap / GB:.1f} GB" + ("" if total <= cap else "  DOES NOT FIT"))
         lines += [f"    {part}: {nbytes / GB:.2f} GB" for part, nbytes in parts.items()]
     return "\n".join(lines)
+
+
+def fits(plan, settings):
+    """Whether every GPU of the plan holds what it is given (its activations' estimate too)."""
+    return all(sum(parts.values()) <= gpu_capacity(settings, d) for d, parts in plan.items())
+
+
+def nearest_fit(settings):
+    """The layout nearest the asked one whose plan fits every GPU, as the flags that differ, or
+    None: the asked draft layers kept as long as anything fits, then more target stages (each a
+    divisor of the target GPUs), the optimizer sharded, a smaller token budget (halved, down to
+    one row), in that order of preference; fewer draft layers last (only where the target layers
+    are the default spread, which follows them)."""
+    s = settings
+    keep = layers_run(helpers.text_config(s.target_config).num_hidden_layers, s.target_layer_ids,
+                      s.distillation is not None)
+    stage_counts = [k for k in range(s.target_stages, min(len(s.target_devices), keep) + 1)
+                    if len(s.target_devices) % k == 0]
+    shardings = [s.shard_optimizer] + ([True] if len(s.drafter_devices) > 1 and not s.shard_optimizer else [])
+    budgets, b = [], s.token_budget
+    while b >= s.max_length:
+        budgets.append(b // s.max_length * s.max_length)
+        b //= 2
+    num_layers = helpers.text_config(s.target_config).num_hidden_layers
+    drafts = [s.num_draft_layers] + (list(range(s.num_draft_layers - 1, 0, -1)) if s.target_layer_ids ==
+                                     dm.default_target_layer_ids(num_layers, s.num_draft_layers) else [])
+    for layers in drafts:
+        ids = s.target_layer_ids if layers == s.num_draft_layers else dm.default_target_layer_ids(num_layers, layers)
+        for stages in stage_counts:
+            for shard in shardings:
+                for budget in budgets:
+                    candidate = s.replace(num_draft_layers=layers, target_layer_ids=ids, target_stages=stages,
+                                          shard_optimizer=shard, token_budget=budget,
+                                          rows_per_batch=budget // s.max_length)
+                    if fits(memory_plan(candidate), candidate):
+                        flags = [("--num-draft-layers", layers, s.num_draft_layers),
+                                 ("--target-stages", stages, s.target_stages),
+                                 ("--token-budget", budget, s.token_budget)]
+                        out = [f"{flag} {new}" for flag, new, old in flags if new != old]
+                        return " ".join(out + (["--shard-optimizer"] if shard and not s.shard_optimizer else []))
+    return None
+
+
+def plan_verdict(settings, plan):
+    """(whether the asked layout fits, the one line that says so; where it does not, the nearest
+    layout that does, as flags to paste)."""
+    if not plan:
+        return True, "plan: no GPU in this layout"
+    if fits(plan, settings):
+        device = max(plan, key=lambda d: sum(plan[d].values()) / gpu_capacity(settings, d))
+        return True, (f"plan: fits every GPU (fullest: {device}, {sum(plan[device].values()) / GB:.1f} of "
+                      f"{gpu_capacity(settings, device) / GB:.1f} GB)")
+    over = [str(d) for d, parts in plan.items() if sum(parts.values()) > gpu_capacity(settings, d)]
+    nearest = nearest_fit(settings)
+    return False, (f"plan: does NOT fit {', '.join(over)}; " + (f"the nearest layout that fits: {nearest}" if nearest
+                   else "no layout of these GPUs fits (more GPUs, or a smaller target or drafter)"))
 
 
 def cuda_devices(settings):

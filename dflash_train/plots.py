@@ -7,9 +7,12 @@ import numpy as np
 
 def run_records(out_dir, log=print):
     """A run directory's metrics.jsonl records and its final evaluation report (None if none).
-    A line that is not a whole record (a kill or a full disk mid-write) is skipped and said."""
-    recs = []
-    with open(os.path.join(out_dir, "metrics.jsonl")) as f:
+    A line that is not a whole record (a kill or a full disk mid-write) is skipped and said; a
+    missing metrics.jsonl is said and read as no records."""
+    recs, path = [], os.path.join(out_dir, "metrics.jsonl")
+    if not os.path.exists(path):
+        log(f"metrics: {path} does not exist; no training records to read")
+    with open(path) if os.path.exists(path) else open(os.devnull) as f:
         for lineno, line in enumerate(f, 1):
             if not line.strip():
                 continue

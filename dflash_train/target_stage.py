@@ -282,6 +282,7 @@ class TargetReplica:
         self.own_attention = model.config._attn_implementation
         self.set_attention(target_attention)
         self.stacked_mlps = stack_gate_up(model) if stack_mlps else 0
+        self.compiled_layers = False
         if compile_layers:
             self.set_compiled_layers(True)
         self.graphs = None  # per stage: (CUDA graph, static inputs, static outputs)
@@ -303,6 +304,7 @@ class TargetReplica:
                 layer.compile(dynamic=False)
             else:
                 layer._compiled_call_impl = None  # what nn.Module.compile set
+        self.compiled_layers = on
 
     def mask(self, doc_ids, sliding_window=None):
         if self.target_attention == "flex":
@@ -403,27 +405,63 @@ class TargetReplica:
 
 @torch.no_grad()
 def stage_against_transformers(replica, batch):
-    """The target stage's features of a packed row (the first of a batch: several documents, as
+    """The target stage's features of a packed row (the batch's row of the most documents, as
     training sees them) against the model's own forward of each document alone (transformers'
     attention and masks, no packing mask; the same stages where the replica is split): per layer
     the drafter reads, the largest relative error ||stage - forward|| / ||forward|| over the
     documents. A stage whose masks or kernels compute something else than the model (a window
-    missed, a mask tile wrong) shows here by layer."""
-    outputs = replica.outputs({k: batch[k][:1] for k in TARGET_INPUTS})["target_hidden"][0].float()
-    doc_ids = batch["doc_ids"][0]
+    missed, a mask tile wrong, state carried across documents) shows here by layer."""
+    r = max(range(len(batch["doc_ids"])), key=lambda i: len(set(batch["doc_ids"][i].tolist()) - {-1}))
+    outputs = replica.outputs({k: batch[k][r:r + 1] for k in TARGET_INPUTS})["target_hidden"][0].float()
+    doc_ids = batch["doc_ids"][r]
     n = len(replica.target_layer_ids)
     errors = [0.0] * n
     for doc in doc_ids.unique().tolist():
         if doc < 0:  # padding
             continue
         at = (doc_ids == doc).nonzero()[:, 0]
-        alone = replica.forward(batch["input_ids"][0, at][None], None, None, packed=False)["target_hidden"][0].float()
+        alone = replica.forward(batch["input_ids"][r, at][None], None, None, packed=False)["target_hidden"][0].float()
         width = outputs.shape[-1] // n
         for i in range(n):
             got = outputs[at.to(outputs.device), i * width:(i + 1) * width]
             want = alone[:, i * width:(i + 1) * width].to(got.device)
             errors[i] = max(errors[i], ((got - want).norm() / want.norm().clamp(min=1e-12)).item())
     return dict(zip(replica.target_layer_ids, errors))
+
+
+
+def tolerance(dtype):
+    """The largest relative error (stage_against_transformers) a stage computing the model's own
+    features shows: fp32 paths agree to rounding; in bf16 rounding alone moves a path's features
+    about 2% from fp32's, so two bf16 paths (flex against SDPA, stacked MLPs against plain) part by
+    a few percent. A stage that misses what the model computes (a window, a document boundary)
+    is off by tens of percent."""
+    return 1e-4 if dtype == torch.float32 else 0.08
+
+
+def check_against_transformers(replica, batch):
+    """The guarantee every run starts with, for every architecture, listed or not: the stage's
+    features of a packed row of the batch (its dtype, attention path and stages) against the
+    model's own forward of each document alone (stage_against_transformers). A layer off by more
+    than tolerance() refuses the run, naming the layers and the largest error. The layers run
+    uncompiled here (the compiled ones are the same layers, checked equal in the tests), so the
+    check costs no compilation at other shapes. Returns {layer: relative error}."""
+    compiled = replica.compiled_layers
+    replica.set_compiled_layers(False)
+    try:
+        errors = stage_against_transformers(replica, batch)
+    finally:
+        replica.set_compiled_layers(compiled)
+    limit = tolerance(replica.dtype)
+    wrong = {layer: round(e, 5) for layer, e in errors.items() if not e <= limit}
+    if wrong:
+        raise UsageError(f"the target stage's features differ from the model's own forward of each document alone "
+                         f"by more than {limit:g} (relative) at target layers {wrong} (largest "
+                         f"{max(wrong.values()):.3g}): this target computes something across packed documents that "
+                         "the stage does not keep apart (recurrent or convolution state, attention sinks, "
+                         "soft-capping, a window), so its hidden states would not be the ones a server shows the "
+                         "drafter; it is refused")
+    return errors
 
 
 def warm_up_target(replicas, settings, log):

@@ -231,6 +231,37 @@ def test_cache_key_covers_tokenizer_contents_and_template_options(tmp_path):
     assert key(tiny_tokenizer(), {}) == base
 
 
+def test_a_data_file_edited_in_place_is_tokenised_anew_and_a_torn_cache_rebuilt(tmp_path):
+    """The corpus cache is keyed by the data's contents: an edit that keeps the file's size and
+    modification time is new data, not the old corpus. A cache file cut short (a kill or a full
+    disk mid-write) is said and rebuilt, not a failure of every later run."""
+    tok, said = tiny_tokenizer(), []
+    load = lambda path: chat_data.load_corpus([str(path)], tok, 128, 128, str(tmp_path / "cache"), log=said.append)
+    rows = [{"messages": [{"role": "user", "content": "a cat"}, {"role": "assistant", "content": w}]}
+            for w in ("the dog sat", "a mat ran")]
+    path = write_jsonl(tmp_path / "d.jsonl", rows)
+    first = load(path)
+    stat = os.stat(path)
+    edited = [dict(r) for r in rows]
+    edited[0] = {"messages": [{"role": "user", "content": "a cat"}, {"role": "assistant", "content": "the cat sat"}]}
+    write_jsonl(path, edited)
+    os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    assert os.stat(path).st_size == stat.st_size and os.stat(path).st_mtime_ns == stat.st_mtime_ns
+    said.clear()
+    second = load(path)
+    assert not any("from cache" in m for m in said), said
+    assert second.fingerprint() != first.fingerprint()
+    assert tok.decode(second.doc(0)[0]).count("cat") == 2
+    # the same contents again: the cache serves it
+    said.clear()
+    assert load(path).fingerprint() == second.fingerprint() and any("from cache" in m for m in said)
+    cache = tmp_path / "cache" / f"corpus_{chat_data.corpus_cache_key([str(path)], tok, 128, 128, None)}.npz"
+    cache.write_bytes(cache.read_bytes()[:200])
+    said.clear()
+    assert load(path).fingerprint() == second.fingerprint()
+    assert any("cannot be read" in m and "tokenising anew" in m for m in said), said
+
+
 def test_inspect_data_dumps_what_the_pipeline_trains(tmp_path, capsys):
     from scripts import inspect_data
     from conftest import chat_rows
@@ -431,6 +462,46 @@ def qwen3_agent_turns(tools):
             (system + user1 + "<|im_start|>assistant\n" + reply1 + "\n" + tool + "<|im_start|>assistant\n", reply2),
             (history + "<|im_start|>user\nThanks!<|im_end|>\n<|im_start|>assistant\n",
              "<think>\n\n</think>\n\nYou're welcome.<|im_end|>")]
+
+
+# A template that prints a tool call's arguments with `tojson`, as Llama 3.1's does
+TOJSON_TEMPLATE = (
+    "{% for m in messages %}<|{{ m['role'] }}|>{% if m.tool_calls %}{% for c in m.tool_calls %}{\"name\": \""
+    "{{ c.function.name }}\", \"parameters\": {{ c.function.arguments | tojson }}}{% endfor %}{% else %}"
+    "{{ m['content'] }}{% endif %}<|end|>{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}")
+
+
+def trained_texts(corpus, tok):
+    """What each document trains (its loss-masked tokens), decoded."""
+    return [tok.decode([t for t, m in zip(*corpus.doc(i)) if m]) for i in range(len(corpus))]
+
+
+def test_tool_call_arguments_are_trained_as_the_object_a_server_renders(tmp_path):
+    """vLLM parses a tool call's JSON-string arguments into a mapping before the template renders
+    it (an empty one is {}): a `tojson` template then prints the object, as the model writes it,
+    not a string of it. In Parquet, Arrow gives each row's arguments every other row's keys as
+    null: they are not the row's, and are not trained. The expected texts are written out here."""
+    tok = tiny_tokenizer()
+    tok.chat_template = TOJSON_TEMPLATE
+
+    def row(arguments, city="Paris"):
+        call = {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": arguments}}
+        return {"messages": [{"role": "user", "content": f"Weather in {city}?"},
+                             {"role": "assistant", "content": None, "tool_calls": [call]}]}
+    path = write_jsonl(tmp_path / "d.jsonl", [row('{"city": "Paris"}'), row({"city": "Paris"}), row(""),
+                                              row("{not json")])
+    corpus = chat_data.load_corpus([path], tok, 128, 128, str(tmp_path / "cache"), log=lambda m: None)
+    want = '{"name": "get_weather", "parameters": {"city": "Paris"}}<|end|>'
+    assert trained_texts(corpus, tok) == [want, want, '{"name": "get_weather", "parameters": {}}<|end|>']
+    assert corpus.stats.skipped_rows == {"tool_calls[0].function.arguments is neither JSON nor a mapping": 1}
+    pa = pytest.importorskip("pyarrow")
+    import pyarrow.parquet as pq
+    rows = [row({"city": "Paris"}), row({"city": "Rome", "units": "C"}, "Rome")]
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "d.parquet")
+    corpus = chat_data.load_corpus([str(tmp_path / "d.parquet")], tok, 128, 128, str(tmp_path / "cache"),
+                                   log=lambda m: None)
+    assert trained_texts(corpus, tok) == [
+        want, '{"name": "get_weather", "parameters": {"city": "Rome", "units": "C"}}<|end|>']
 
 
 def test_reasoning_and_tool_calls_trained_as_the_server_renders_them(real_tokenizer, tmp_path):

@@ -3,17 +3,19 @@ output directory kept to one run, nothing read back that runs code, --init-draft
 import errno
 import json
 import os
+import shutil
 import subprocess
 import sys
 import types
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
+import dflash_model as dm
 import train_dflash_pipeline as tp
 from dflash_train import checkpoints as ck
 from dflash_train import command_line as cli
-from dflash_train import data_stage as ds
 from conftest import ROOT, SCRIPT, SMALL, chat_rows, metrics, pipeline_args, run_cli, run_main, steps_of, write_jsonl
 from fault_inject import faulty_train_step
 
@@ -44,15 +46,15 @@ def test_resume_equals_uninterrupted(tmp_path, tiny_model_dir):
 
 
 def spy_on_batches(monkeypatch):
-    """The batches the run is fed, in order (a hash of each batch's ids)."""
+    """The batches the run feeds its workers, in order (a hash of each batch's ids)."""
     seen = []
-    real = ds.BatchSequence.iterate
+    real = tp.put
 
-    def iterate(self, *a, **k):
-        for epoch, batch in real(self, *a, **k):
-            seen.append(hash(batch["input_ids"].numpy().tobytes()))
-            yield epoch, batch
-    monkeypatch.setattr(ds.BatchSequence, "iterate", iterate)
+    def put(run, worker, item):
+        if item is not None:
+            seen.append(hash(item["input_ids"].numpy().tobytes()))
+        return real(run, worker, item)
+    monkeypatch.setattr(tp, "put", put)
     return seen
 
 
@@ -148,7 +150,6 @@ def test_init_drafter_starts_from_a_drafter_that_fits_and_names_what_does_not(tm
     trainer = tp.Trainer(settings)
     assert trainer.load_data()
     trainer.load_models()
-    from safetensors.torch import load_file
     want = load_file(released / "model.safetensors")
     got = trainer.drafters[0].state_dict()
     assert all(torch.equal(got[k].float(), want[k].float()) for k in want)  # bf16 on disk, exactly representable
@@ -263,3 +264,27 @@ def test_a_full_disk_is_said_and_leaves_no_partial_checkpoint(tmp_path, tiny_mod
     err = capsys.readouterr().err
     assert "disk full at" in err and "bytes, " in err and "the last good checkpoint is kept" in err
     assert os.listdir(tmp_path / "o" / "checkpoints") == []  # the partial .tmp_step_2 removed
+
+
+def test_final_is_swapped_in_whole_and_rebuilt_by_resume_auto_where_missing(tmp_path, tiny_model_dir, monkeypatch,
+                                                                             capsys):
+    assert run_main(tmp_path, tiny_model_dir, "o", "--max-steps", "2") == 0
+    final = tmp_path / "o" / "final"
+    before = {f: (final / f).read_bytes() for f in ("model.safetensors", "config.json", "dflash_training.json")}
+
+    def killed_while_writing(self, path, dtype=None):
+        os.makedirs(path, exist_ok=True)
+        with open(os.path.join(path, "model.safetensors"), "wb") as f:
+            f.write(b"torn")
+        raise KeyboardInterrupt
+    with monkeypatch.context() as m:
+        m.setattr(dm.DFlashDraftModel, "save_pretrained", killed_while_writing)
+        with pytest.raises(KeyboardInterrupt):
+            ck.save_final(str(tmp_path / "o"), dm.DFlashDraftModel.from_pretrained(str(final)), {})
+    assert {f: (final / f).read_bytes() for f in before} == before  # the one before, whole
+    shutil.rmtree(final)
+    capsys.readouterr()
+    assert run_main(tmp_path, tiny_model_dir, "o", "--max-steps", "2", "--resume", "auto") == 0
+    out = capsys.readouterr().out
+    assert "nothing to do" in out and "final/ was missing or partial: rebuilt from" in out, out
+    assert {f: (final / f).read_bytes() for f in before} == before

@@ -29,7 +29,7 @@ def test_the_memory_plan_of_a_70b_target_on_a_laptop(tmp_path, capsys):
     config = llama_70b_config(tmp_path / "l70")
     argv = ["--target-model", str(tmp_path / "l70"), "--target-gpus", "0,1,2,3,4,5", "--drafter-gpus", "6,7",
             "--gpu-memory", "80", "--plan"]
-    assert tp.main(argv) == 0
+    assert tp.main(argv) == 1  # the asked layout does not fit: said, and the exit code says so
     out = capsys.readouterr().out
     H, I, V, kv = 8192, 28672, 128256, 8 * 128
     layer = 2 * H * H + 2 * H * kv + 3 * H * I + 2 * H  # q, o; k, v; the MLP; two norms
@@ -43,11 +43,18 @@ def test_the_memory_plan_of_a_70b_target_on_a_laptop(tmp_path, capsys):
     assert f"    drafter weights, gradient and AdamW state: {drafter_gb:.2f} GB" in out, out
     assert "--shard-optimizer on" in out
     assert out.count("DOES NOT FIT") == 8 and "cuda:7:" in out
-    assert tp.main(argv + ["--no-shard-optimizer"]) == 0  # each worker the whole state: 16 bytes a parameter
-    assert f"AdamW state: {drafter_gb * 16 / 12:.2f} GB" in capsys.readouterr().out
+    # one verdict line, the nearest layout that fits as flags to paste; pasted, they fit
+    verdict = out.strip().splitlines()[-1]
+    assert verdict.startswith("plan: does NOT fit cuda:0, cuda:1, cuda:2, cuda:3, cuda:4, cuda:5, cuda:6, cuda:7; the "
+                              "nearest layout that fits: --target-stages 2 --token-budget 3072"), verdict
+    assert tp.main(argv + verdict.split("fits: ")[1].split()) == 0
+    assert capsys.readouterr().out.strip().splitlines()[-1].startswith("plan: fits every GPU (fullest: cuda:6")
+    assert tp.main(argv + ["--no-shard-optimizer"]) == 1  # each worker the whole state: 16 bytes a parameter
+    out = capsys.readouterr().out
+    assert f"AdamW state: {drafter_gb * 16 / 12:.2f} GB" in out and out.strip().endswith("--shard-optimizer"), out
     assert config.num_hidden_layers == 80  # nothing loaded, nothing changed
     # split in three stages: two replicas, each over three GPUs, its layers cut as stage_bounds says
-    assert tp.main(argv[:-1] + ["--target-stages", "3", "--plan"]) == 0
+    assert tp.main(argv[:-1] + ["--target-stages", "3", "--plan"]) == 1  # the drafter GPUs' budget still too large
     out = capsys.readouterr().out
     bounds = ts.stage_bounds(max(layers) + 1, 3)
     stage_gb = [2 * ((b - a) * layer + H + (V * H if k == 0 else 0)) / 2**30

@@ -14,7 +14,7 @@ from dflash_train import helpers
 from dflash_train import target_model
 from dflash_train import target_stage as ts
 from dflash_train import throughput as thr
-from conftest import tiny_gemma3, tiny_tokenizer, write_jsonl
+from conftest import run_main, tiny_gemma3, tiny_tokenizer, write_jsonl
 
 
 def test_target_stage_flex_forward_options_only_where_measured(monkeypatch):
@@ -124,6 +124,34 @@ def test_the_smoke_tests_layer_check_sees_a_stage_that_is_not_the_model(monkeypa
     monkeypatch.setattr(ts, "target_windows", lambda tc: (None, None))
     errors = ts.stage_against_transformers(ts.TargetReplica(target, [0, 2], torch.device("cpu")), batch)
     assert min(errors.values()) > 0.01, errors
+
+
+def test_every_run_checks_its_target_and_logs_the_figure(tmp_path, tiny_model_dir):
+    assert run_main(tmp_path, tiny_model_dir, "o", "--max-steps", "1") == 0
+    line = next(l for l in (tmp_path / "o" / "train.log").read_text().splitlines() if "target check:" in l)
+    errors = [float(x.split(": ")[1]) for x in line.split("per layer ")[1].split(" (limit")[0].split(", ")]
+    assert len(errors) == 1 and errors[0] < 1e-5, line  # one draft layer: one target layer read
+
+
+def test_a_target_that_leaks_across_packed_documents_is_refused_before_any_step(tmp_path, tiny_model_dir,
+                                                                                  monkeypatch, capsys):
+    """A family no named refusal lists: each decoder layer mixes in the previous token's output (a
+    causal convolution), which in a packed row reaches across documents. The start-up check sees
+    it against the model's own forward of each document alone, and the run stops before a step."""
+    from transformers.models.qwen3.modeling_qwen3 import Qwen3DecoderLayer
+    real = Qwen3DecoderLayer.forward
+
+    def leaky(self, hidden_states, *args, **kwargs):
+        out = real(self, hidden_states, *args, **kwargs)
+        h = out[0] if isinstance(out, tuple) else out
+        mixed = h + 0.5 * torch.nn.functional.pad(h[:, :-1], (0, 0, 1, 0))  # the previous token, 0 before the first
+        return (mixed, *out[1:]) if isinstance(out, tuple) else mixed
+    monkeypatch.setattr(Qwen3DecoderLayer, "forward", leaky)
+    assert run_main(tmp_path, tiny_model_dir, "o", "--max-steps", "2") == 2
+    err = capsys.readouterr().err
+    assert "differ from the model's own forward of each document alone by more than 0.0001" in err, err
+    assert "at target layers {" in err and "it is refused" in err
+    assert not (tmp_path / "o" / "checkpoints").exists()
 
 
 def test_a_target_the_batched_decoder_does_not_handle_is_evaluated_by_its_own_forward(tmp_path):

@@ -4,6 +4,7 @@ faults), the warm-up's memory checks and the flat AdamW."""
 import json
 import math
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -12,6 +13,7 @@ import types
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 import dflash_model as dm
 import train_dflash_pipeline as tp
@@ -25,7 +27,7 @@ from dflash_train import plots
 from dflash_train import target_stage as ts
 from dflash_train import throughput as thr
 from conftest import ROOT, SCRIPT, chat_rows, metrics, pipeline_args, run_cli, run_interpreted, run_main, \
-    steps_of, tiny_tokenizer, write_jsonl
+    steps_of, tiny_target, tiny_tokenizer, write_jsonl
 from fault_inject import faulty_train_step
 
 
@@ -74,7 +76,6 @@ def test_replicas_stay_identical(tmp_path, tiny_model_dir, monkeypatch):
 def test_a_target_split_in_stages_trains_exactly_like_one_replica(tmp_path, tiny_model_dir, stages):
     """The same run with the target whole and split over two or three stages (the CPU standing
     for each stage's GPU): the same losses at every step and the same final drafter."""
-    from safetensors.torch import load_file
     data = write_jsonl(tmp_path / "d.jsonl", chat_rows(40))
     common = ["--drafter-gpus", "cpu", "--max-steps", "3", "--log-interval", "1", "--target-layer-ids", "1,3"]
     assert tp.main(pipeline_args(tmp_path / "whole", tiny_model_dir, data, "--target-gpus", "cpu", *common)) == 0
@@ -93,7 +94,6 @@ def test_sharded_optimizer_state_trains_exactly_like_the_whole_one(tmp_path, tin
     (--shard-optimizer), against two workers with the whole state: the same losses, the same
     drafter, and checkpoints holding the same optimizer state (an unsharded AdamW's), from
     which a run without sharding resumes as from its own."""
-    from safetensors.torch import load_file
     data = write_jsonl(tmp_path / "d.jsonl", chat_rows(40))
     common = ["--target-gpus", "cpu", "--drafter-gpus", "cpu,cpu", "--log-interval", "1", "--save-interval", "2"]
     assert tp.main(pipeline_args(tmp_path / "whole", tiny_model_dir, data, *common, "--max-steps", "4")) == 0
@@ -334,7 +334,6 @@ def test_drafter_out_of_memory_names_a_budget_that_then_warms_up(fake_gpu_memory
 def test_compiled_workers_never_fall_back_to_eager_silently():
     # Dynamo's default: 8 compiled versions per function, then eager without a word. Building a
     # --compile worker allows 64 (one per worker and shape) and makes the 65th an error.
-    from conftest import tiny_target
     # config.patch restores both settings after the test (monkeypatch's undo deleted them from
     # dynamo's config module, and every later compile in the process failed)
     with torch._dynamo.config.patch(recompile_limit=8, fail_on_recompile_limit_hit=False):
@@ -358,7 +357,6 @@ def test_the_step_writes_every_gradient_into_the_flat_buffer(compile):
     # The backward overwrites each parameter's view of the flat buffer (flat_adamw.GradInto): no zeroing
     # before it, nothing accumulated into .grad. Pre-filled with 7, the buffer must end up holding
     # autograd's gradients of the same loss, eager and compiled (the GPU step's inductor path).
-    from conftest import tiny_target
     torch._dynamo.reset()
     target = tiny_target(dtype=torch.float32)
     drafter = dm.DFlashDraftModel(dm.make_drafter_config(target.config, mask_token_id=1, num_draft_layers=2,
@@ -595,7 +593,6 @@ def test_a_distillation_run_trains_records_its_loss_and_resumes_only_with_it(tmp
 
 
 def test_a_vanished_output_directory_stops_the_run_with_a_checkpoint(tmp_path, tiny_model_dir, monkeypatch):
-    import shutil
     real = tp.DrafterWorker.train_step
 
     def train_step(worker, step, batch):
@@ -605,6 +602,26 @@ def test_a_vanished_output_directory_stops_the_run_with_a_checkpoint(tmp_path, t
     monkeypatch.setattr(tp.DrafterWorker, "train_step", train_step)
     assert run_main(tmp_path, tiny_model_dir, "o", "--max-steps", "50", "--save-interval", "100") == 1
     assert steps_of(tmp_path) == [3]  # saved into the recreated directory, then stopped
+
+
+def test_a_metrics_file_deleted_mid_run_is_recreated_and_said(tmp_path, tiny_model_dir, monkeypatch):
+    real = tp.DrafterWorker.train_step
+
+    def train_step(worker, step, batch):
+        if step == 3:
+            os.remove(tmp_path / "o" / "metrics.jsonl")
+        return real(worker, step, batch)
+    monkeypatch.setattr(tp.DrafterWorker, "train_step", train_step)
+    assert run_main(tmp_path, tiny_model_dir, "o", "--max-steps", "5") == 0
+    with open(tmp_path / "o" / "metrics.jsonl") as f:
+        steps = sorted({json.loads(line)["step"] for line in f})
+    assert steps == [3, 4, 5]
+    assert "metrics.jsonl was deleted during the run: recreated at step 3" in (tmp_path / "o" / "train.log").read_text()
+    assert (tmp_path / "o" / "training.png").exists()
+    # the plots of a run directory without metrics say so, and draw nothing
+    os.remove(tmp_path / "o" / "metrics.jsonl")
+    said = []
+    assert plots.run_records(str(tmp_path / "o"), said.append)[0] == [] and "does not exist" in said[0]
 
 
 def test_a_dead_run_is_said_in_the_log_and_fails_the_smoke_test(tmp_path, tiny_model_dir):
@@ -650,9 +667,26 @@ def test_steps_redone_after_a_kill_are_recorded_once(tmp_path, tiny_model_dir, m
     assert steps == [1, 2, 3, 4, 5, 6]
 
 
+def test_a_signal_during_the_final_evaluation_stops_it_and_keeps_the_drafter(tmp_path, tiny_model_dir, monkeypatch,
+                                                                             capsys):
+    finished = []
+
+    def long_evaluation(self, final_dir):
+        os.kill(os.getpid(), signal.SIGINT)
+        for _ in range(200):
+            time.sleep(0.01)
+        finished.append(final_dir)
+    monkeypatch.setattr(tp.Trainer, "evaluate_final", long_evaluation)
+    assert run_main(tmp_path, tiny_model_dir, "o", "--max-steps", "2", "--eval-prompts", "1") == 0
+    assert not finished
+    out = capsys.readouterr().out
+    assert "the evaluation stopped where it was" in out and "is skipped" not in out, out
+    assert (tmp_path / "o" / "final" / "model.safetensors").exists() and ck.checkpoint_steps(str(tmp_path / "o")) == [2]
+
+
 def test_a_signal_while_finishing_is_noted_not_raised():
     seen, before = [], {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
-    with tp.signals_handled(seen.append):
+    with helpers.signals_handled(seen.append):
         os.kill(os.getpid(), signal.SIGINT)
         time.sleep(0.05)
     assert seen == [signal.SIGINT]
