@@ -57,6 +57,7 @@ from dflash_train.memory_plan import decoding_bytes, whole_target_parameters
 from dflash_train.target_stage import check_against_transformers, tolerance
 from dflash_train.checkpoints import final_is_whole, save_final
 from dflash_train.memory_plan import plan_verdict
+from dflash_train.evaluation import speedup_text
 
 # -----------------------------------------------------------------------------
 # Drafter worker: one thread, one device, one replica
@@ -1279,9 +1280,8 @@ class Trainer:
                                       prompt_files=[heldout_prompts_file(s)], temperature=s.eval_temperature,
                                       seed=s.seed)
         log(f"eval: acceptance length {report['acceptance_length']:.2f} (prompt lookup "
-            f"{report['prompt_lookup_acceptance_length']:.2f}) on {report['answers']} held-out answers; speed-up over "
-            f"greedy {report['speedup_vs_greedy']:.2f}x "
-            f"(prompt lookup {report['prompt_lookup_speedup_vs_greedy']:.2f}x); "
+            f"{report['prompt_lookup_acceptance_length']:.2f}) on {report['answers']} held-out answers; "
+            f"{speedup_text(report)}; "
             f"outputs identical to target greedy: {report['lossless']}; report {final_dir}/eval_acceptance.json")
         return report
 

@@ -379,11 +379,33 @@ def parsed_rows(lines, path, stats, fields=None):
         yield lineno, where, row
 
 
-def numbered_lines(path, skip=frozenset()):
-    """(line number, text) of every non-empty line of a file whose line number is not in skip;
-    the text is None for a line that is not UTF-8 (never trained as replacement characters)."""
+# Compressed files, by their first bytes: read through the standard library's readers, or named.
+COMPRESSED = {b"\x1f\x8b": ("gzip", "gzip"), b"BZh": ("bzip2", "bz2"), b"\xfd7zXZ\x00": ("xz", "lzma"),
+              b"\x28\xb5\x2f\xfd": ("zstd", None)}
+BOM = b"\xef\xbb\xbf"  # a UTF-8 byte-order mark some editors put in front of a file
+
+
+def open_data(path):
+    """A data file opened for reading bytes: a gzip, bzip2 or xz file decompressed as it is read;
+    a compressed format the standard library does not read is named (UsageError)."""
     with open(path, "rb") as f:
+        magic = f.read(6)
+    for prefix, (name, module) in COMPRESSED.items():
+        if magic.startswith(prefix):
+            if module is None:
+                raise UsageError(f"--data {path}: a {name}-compressed file; decompress it first ({name} -d {path})")
+            return __import__(module).open(path, "rb")
+    return open(path, "rb")
+
+
+def numbered_lines(path, skip=frozenset()):
+    """(line number, text) of every non-empty line of a file (decompressed, a leading byte-order
+    mark dropped) whose line number is not in skip; the text is None for a line that is not UTF-8
+    (never trained as replacement characters)."""
+    with open_data(path) as f:
         for lineno, raw in enumerate(f, 1):
+            if lineno == 1 and raw.startswith(BOM):
+                raw = raw[len(BOM):]
             if not raw.strip() or lineno in skip:
                 continue
             try:
@@ -427,14 +449,25 @@ def numbered_rows(path):
         needs("pyarrow", "Parquet")
         import pyarrow.parquet as pq
         return [(n, present(row)) for n, row in enumerate(pq.read_table(path).to_pylist(), 1)]
-    with open(path, "rb") as f:
-        head = f.read(4096).lstrip()
-    if path.endswith(".json") and head.startswith(b"["):
+    with open_data(path) as f:
+        head = f.read(4096).removeprefix(BOM).lstrip()
+    if head.startswith(b"["):  # a row is an object: a file that opens with [ is one JSON array of rows
         try:
-            with open(path, encoding="utf-8") as f:
-                return list(enumerate(json.load(f), 1))
+            with open_data(path) as f:
+                return list(enumerate(json.loads(f.read().decode("utf-8-sig")), 1))
         except (ValueError, UnicodeDecodeError) as e:
-            raise UsageError(f"--data {path}: not a JSON array ({str(e)[:120]})") from None
+            raise UsageError(f"--data {path}: opens with [ but is not a JSON array ({str(e)[:120]})") from None
+    first = head.split(b"\n", 1)[0].strip()
+    if head.startswith(b"{") and not first.endswith(b"}"):  # an object over several lines: one JSON object?
+        try:
+            with open_data(path) as f:
+                whole = json.loads(f.read().decode("utf-8-sig"))
+        except (ValueError, UnicodeDecodeError):
+            whole = None  # JSONL with a bad first line: counted as such
+        if isinstance(whole, dict):
+            rows = [(k, len(v)) for k, v in whole.items() if isinstance(v, list) and v and isinstance(v[0], dict)]
+            raise UsageError(f"--data {path}: one JSON object, not rows: give JSONL (one row a line) or a JSON array "
+                             "of rows" + (f" (its '{rows[0][0]}' field holds {rows[0][1]} rows)" if rows else ""))
     return list(numbered_lines(path))
 
 
@@ -653,7 +686,10 @@ def load_corpus(paths, tokenizer, max_length, vocab_size, cache_dir, chat_templa
         stats.add(file_stats)
     n_bad, rows = sum(stats.skipped_rows.values()), stats.counts["rows"]
     if not docs:
-        raise UsageError(f"--data: no usable documents in {paths} ({n_bad} rows skipped: {stats.skipped_rows})")
+        turns = sorted(stats.skipped_turns.items(), key=lambda kv: -kv[1])[:3]
+        raise UsageError(f"--data: no usable documents in {paths} ({n_bad} rows skipped: {stats.skipped_rows})"
+                         + ("; assistant turns skipped: " + "; ".join(f"{reason} ({n})" for reason, n in turns)
+                            if turns else ""))
     if n_bad > max_bad_fraction * rows:
         raise UsageError(f"--data: {n_bad} of {rows} rows are malformed ({stats.skipped_rows}); "
                          "check the format (messages / conversations / input_ids+loss_mask)")

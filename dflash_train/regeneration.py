@@ -11,6 +11,7 @@ import argparse
 import hashlib
 import json
 import os
+import re
 import threading
 import time
 import traceback
@@ -194,6 +195,27 @@ def assistant_fields(message):
     return out
 
 
+# How servers say a prompt does not fit the context (vLLM, SGLang, llama.cpp, the OpenAI API)
+CONTEXT_ERROR = re.compile(r"context length|context size|context window|maximum context|too long|exceeds the (model|"
+                           r"available)", re.IGNORECASE)
+
+
+def answer_choice(response):
+    """(the first choice of a chat-completions answer, its completion tokens, None), or (None, 0,
+    why there is none): an answer that is not JSON, has no choices, or a choice without a
+    message is said as such."""
+    try:
+        answer = response.json()
+    except ValueError:
+        return None, 0, f"the server's answer is not JSON: {response.text[:200]}"
+    choices = answer.get("choices") if isinstance(answer, dict) else None
+    if not choices or not isinstance(choices[0], dict):
+        return None, 0, "the server's answer has no choices"
+    if not isinstance(choices[0].get("message"), dict):
+        return None, 0, "the server's answer has a choice without a message"
+    return choices[0], (answer.get("usage") or {}).get("completion_tokens", 0), None
+
+
 class ServerBackend:
     """An OpenAI-compatible chat-completions endpoint (vllm serve, SGLang, llama.cpp server):
     `concurrency` requests in flight, each retried with exponential backoff. A conversation that
@@ -222,23 +244,44 @@ class ServerBackend:
                 time.sleep(min(a.backoff * 2 ** (attempt - 1), 30))
             try:
                 r = self.client.post(self.url, json=body)
-                if r.status_code == 200:
-                    answer = r.json()
-                    choice, n = answer["choices"][0], (answer.get("usage") or {}).get("completion_tokens", 0)
+            except Exception as e:  # timeouts, refused connections
+                error = f"{type(e).__name__}: {e}"
+                continue
+            if r.status_code == 200:
+                choice, n, error = answer_choice(r)
+                if choice is not None:
                     if self.progress is not None:
                         self.progress(1, n)
-                    return assistant_fields(choice["message"]), choice.get("finish_reason", "stop"), n
-                error = f"HTTP {r.status_code}: {r.text[:200]}"
-                if r.status_code < 500 and r.status_code != 429:
-                    break  # a request the server refuses will be refused again
-            except Exception as e:  # timeouts, refused connections, malformed answers
-                error = f"{type(e).__name__}: {e}"
+                    return assistant_fields(choice["message"]), choice.get("finish_reason") or "stop", n
+                continue  # an answer without one: asked again
+            if r.status_code == 400 and CONTEXT_ERROR.search(r.text):
+                return None, "context", 0  # the history is too long to answer: the turns before it stand
+            error = f"HTTP {r.status_code}: {r.text[:200]}"
+            if r.status_code < 500 and r.status_code != 429:
+                break  # a request the server refuses will be refused again
         return None, error, 0
 
     def __call__(self, conversations):
-        from concurrent.futures import ThreadPoolExecutor
-        with ThreadPoolExecutor(self.args.concurrency) as pool:
-            return list(pool.map(self.complete, conversations))
+        """Every conversation's answer, `concurrency` requests at a time, in daemon threads that
+        the main thread joins a fraction of a second at a time: a signal reaches it at once, and a
+        second Ctrl-C ends the process without waiting out a hanging server's requests."""
+        results, todo, lock = [None] * len(conversations), iter(enumerate(conversations)), threading.Lock()
+
+        def work():
+            while True:
+                with lock:
+                    i, conversation = next(todo, (None, None))
+                if i is None:
+                    return
+                results[i] = self.complete(conversation)
+        threads = [threading.Thread(target=work, daemon=True) for _ in range(min(self.args.concurrency,
+                                                                                 len(conversations)))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            while t.is_alive():
+                t.join(0.2)
+        return results
 
 
 def done_regeneration_ids(path):
@@ -260,14 +303,41 @@ def done_regeneration_ids(path):
     return done
 
 
-def regenerate(input_path, output, make_backend, window=4096, log=print, desc="regenerating"):
+def settings_record(output, settings):
+    """Checks the settings an output was written with (kept beside it, <output>.settings.json)
+    against these, or records them for a new output: a resume with another target, template
+    options or generation length would mix two kinds of answers in one file. ValueError naming
+    each difference."""
+    path, settings = output + ".settings.json", json.loads(json.dumps(settings))
+    if os.path.exists(path):
+        with open(path) as f:
+            recorded = json.load(f)
+        diff = [f"{k} {recorded.get(k)!r} -> {settings.get(k)!r}" for k in sorted(set(recorded) | set(settings))
+                if recorded.get(k) != settings.get(k)]
+        if diff:
+            raise ValueError(f"{output} was written with other settings ({'; '.join(diff)}): its conversations and "
+                             "new ones would mix; rerun with the settings it was written with, or write to another "
+                             "--output")
+        return
+    if os.path.exists(output) and os.path.getsize(output):
+        raise ValueError(f"{output} holds conversations but no record of the settings they were written with ({path}):"
+                         " write to another --output")
+    with open(path + ".tmp", "w") as f:
+        json.dump(settings, f, indent=1, sort_keys=True)
+    os.replace(path + ".tmp", path)
+
+
+def regenerate(input_path, output, make_backend, settings, window=4096, log=print, desc="regenerating"):
     """Regenerate every row of input_path not yet in output (regenerate_rounds, `window`
     conversations at a time), appending each conversation to output as soon as it is done (so a
     kill loses only those in progress; a rerun resumes). make_backend(progress) gives the
     backend. Rows whose generation failed go to <output>.rejects.jsonl with the reason; rows
     with nothing to answer within the context limit are counted skips. SIGINT (in the main
     thread) stops after the round under way, every finished conversation written; a second one
-    stops at once. Returns the summary dict (with a one-line `text`; `interrupted`)."""
+    stops at once. settings: what defines the answers (target, template options, sampling,
+    lengths), recorded beside the output and checked on a resume (settings_record). Returns the
+    summary dict (with a one-line `text`; `interrupted`)."""
+    settings_record(output, settings)
     todo, skipped = regeneration_prompts(input_path, done_regeneration_ids(output))
     for line in skipped.summary()[1:]:
         log(f"input: {line.strip()}")
@@ -313,6 +383,14 @@ def regenerate(input_path, output, make_backend, window=4096, log=print, desc="r
     return summary
 
 
+def generation_settings(target_model, args, server_model=None):
+    """What defines a regeneration's answers, as settings_record keeps it."""
+    return {"target_model": target_model, "server_model": server_model,
+            "chat_template_kwargs": args.chat_template_kwargs, "max_new_tokens": args.max_new_tokens,
+            "temperature": args.temperature, "top_p": args.top_p, "seed": args.seed,
+            "max_context_tokens": getattr(args, "max_context_tokens", None)}
+
+
 def regenerated_builtin_data(settings, log):
     """Every built-in conversation worth regenerating (builtin:sharegpt-prompts) with its
     assistant turns written by the built-in target (the GPU demo's training data): greedy, with
@@ -332,7 +410,9 @@ def regenerated_builtin_data(settings, log):
     tokenizer = load_tokenizer(settings.target_model)
     gpus = [torch.device("cuda", i) for i in range(torch.cuda.device_count())]  # one replica each
     summary = regenerate(demo_assets.builtin_prompts_file(), out, lambda progress: EmbeddedBackend(
-        settings.target_model, gpus, tokenizer, regen_args, progress), log=log, desc="demo: regenerating")
+        settings.target_model, gpus, tokenizer, regen_args, progress), generation_settings(settings.target_model,
+                                                                                       regen_args),
+        log=log, desc="demo: regenerating")
     log(f"demo: {summary['text']}")
     torch.cuda.empty_cache()  # the regenerating replica is gone: its cached blocks go too
     for d in gpus:  # the training log's peak memory is training's, not the regeneration's

@@ -87,8 +87,10 @@ def main(argv=None):
         make_backend = lambda progress: regeneration.EmbeddedBackend(  # noqa: E731
             args.target_model, devices, tokenizer, args, progress)
     try:
-        summary = regeneration.regenerate(demo_assets.builtin_data(args.input), args.output, make_backend, args.window)
-    except ValueError as e:  # an output written from another input
+        settings = regeneration.generation_settings(args.target_model, args, args.server_model if args.server else None)
+        summary = regeneration.regenerate(demo_assets.builtin_data(args.input), args.output, make_backend, settings,
+                                          args.window)
+    except ValueError as e:  # an output written from another input, or with other settings
         print(f"error: {e}", file=sys.stderr)
         return 2
     print(summary["text"])

@@ -1,5 +1,6 @@
 """What the tests share: small random-weight targets, drafters and a tokenizer they build themselves
 (nothing downloaded), chat data, and small runs of the trainer."""
+import contextlib
 import json
 import os
 import random
@@ -7,6 +8,7 @@ import shutil
 import subprocess
 import sys
 import tarfile
+import threading
 
 import pytest
 import torch
@@ -209,3 +211,38 @@ def tiny_gemma3(vocab=128, **config):
                            sliding_window=16, tie_word_embeddings=True, **config)
     torch.manual_seed(0)
     return AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa").float().eval()
+
+
+@contextlib.contextmanager
+def chat_server(answer):
+    """A local OpenAI-compatible chat-completions endpoint (127.0.0.1) for the regeneration
+    client: answer(request body) -> (HTTP status, JSON-able reply). Yields its base URL."""
+    import http.server
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_POST(self):
+            status, reply = answer(json.loads(self.rfile.read(int(self.headers["Content-Length"]))))
+            out = json.dumps(reply).encode()
+            self.send_response(status)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(out)))
+            self.end_headers()
+            self.wfile.write(out)
+
+        def log_message(self, *a):
+            pass
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    server.daemon_threads = True
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}/v1"
+    finally:
+        server.shutdown()
+
+
+def server_args(**changes):
+    """The regeneration client's settings for chat_server (scripts/regenerate_data.py's names)."""
+    import types
+    return types.SimpleNamespace(**{**dict(server_model="m", max_new_tokens=32, temperature=0.0, top_p=1.0, seed=0,
+                                           chat_template_kwargs={}, retries=0, backoff=0.1, timeout=10, concurrency=2),
+                                    **changes})

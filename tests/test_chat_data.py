@@ -2,15 +2,16 @@
 server shows the model for it, then exactly what the model writes. The expected texts come from
 renderings written out here by hand from each template's documented format, not from
 apply_chat_template."""
+import builtins
 import json
 import os
-import types
 
 import pytest
 
 from dflash_train import chat_data
 from dflash_train import demo_assets
-from conftest import chat_rows, tiny_tokenizer, write_jsonl
+from dflash_train import regeneration
+from conftest import chat_server, server_args, chat_rows, tiny_tokenizer, write_jsonl
 
 SYSTEM = "You are terse."
 CONVERSATION = [  # (user, assistant) pairs; the assistant turns carry think blocks
@@ -370,6 +371,44 @@ def test_a_json_array_file_gives_the_jsonl_corpus(tmp_path):
     assert got.fingerprint() == want.fingerprint() and len(got) == len(want) > 0
 
 
+def test_compressed_and_byte_order_marked_files_give_the_jsonl_corpus(tmp_path):
+    """gzip, bzip2 and xz files are read as the file they hold; a UTF-8 byte-order mark in front of
+    a JSONL file or a JSON array is dropped; zstd (not in the standard library) is named."""
+    import bz2
+    import gzip
+    import lzma
+    rows = format_rows()
+    jsonl = write_jsonl(tmp_path / "d.jsonl", rows)
+    want = loaded_corpus([jsonl], tmp_path / "c").fingerprint()
+    raw = open(jsonl, "rb").read()
+    files = {"d.jsonl.gz": gzip.compress(raw), "d.jsonl.bz2": bz2.compress(raw), "d.jsonl.xz": lzma.compress(raw),
+             "bom.jsonl": b"\xef\xbb\xbf" + raw, "bom.json": b"\xef\xbb\xbf" + json.dumps(rows).encode(),
+             "d.json.gz": gzip.compress(json.dumps(rows, indent=1).encode())}
+    for name, data in files.items():
+        (tmp_path / name).write_bytes(data)
+        got = loaded_corpus([tmp_path / name], tmp_path / f"c-{name}")
+        assert got.fingerprint() == want and not got.stats.skipped_rows, name
+    (tmp_path / "d.jsonl.zst").write_bytes(b"\x28\xb5\x2f\xfd" + raw)
+    with pytest.raises(chat_data.UsageError, match="a zstd-compressed file; decompress it first"):
+        loaded_corpus([tmp_path / "d.jsonl.zst"], tmp_path / "c-zst")
+
+
+def test_a_json_object_file_is_a_sentence_not_thousands_of_bad_lines(tmp_path):
+    (tmp_path / "d.json").write_text(json.dumps({"version": 1, "data": format_rows()}, indent=2))
+    with pytest.raises(chat_data.UsageError, match=r"one JSON object, not rows: give JSONL \(one row a line\) or a "
+                       r"JSON array of rows \(its 'data' field holds 12 rows\)"):
+        loaded_corpus([tmp_path / "d.json"], tmp_path / "c")
+
+
+def test_a_template_that_fails_on_every_turn_is_named_in_the_refusal(tmp_path):
+    tok = tiny_tokenizer()
+    tok.chat_template = "{{ raise_exception('roles must alternate user/assistant') }}"
+    path = write_jsonl(tmp_path / "d.jsonl", format_rows())
+    with pytest.raises(chat_data.UsageError, match="no usable documents.*assistant turns skipped: chat template "
+                       "error: roles must alternate user/assistant"):
+        chat_data.load_corpus([path], tok, 128, 128, str(tmp_path / "c"), log=lambda m: None)
+
+
 def test_parquet_and_a_saved_dataset_give_the_jsonl_corpus(tmp_path):
     pytest.importorskip("pyarrow")
     datasets = pytest.importorskip("datasets")
@@ -408,7 +447,6 @@ def test_data_fields_map_other_names_and_formats_mix_in_globs(tmp_path):
 
 
 def test_a_missing_optional_reader_is_a_sentence(tmp_path, monkeypatch):
-    import builtins
     real_import = builtins.__import__
 
     def no_pyarrow(name, *a, **k):
@@ -544,44 +582,23 @@ def test_server_regeneration_keeps_reasoning_and_tool_calls_and_the_datas_tool_t
     """A stub OpenAI-compatible server answers with a reasoning parser's fields and a tool call:
     they are written back as the message's fields; the data's tool result follows, then the
     answer to it; the tools schema goes with each request."""
-    import http.server
-    import threading
-    from dflash_train import regeneration
     requests = []
 
-    class Handler(http.server.BaseHTTPRequestHandler):
-        def do_POST(self):
-            body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-            requests.append(body)
-            last = body["messages"][-1]
-            message = ({"role": "assistant", "content": None, "reasoning": "I need the weather.",
-                        "tool_calls": [{"id": "x", "type": "function",
-                                        "function": {"name": "get_weather", "arguments": "{\"city\": \"Paris\"}"}}]}
-                       if last["role"] == "user" else {"role": "assistant", "content": "21 degrees.",
-                                                       "reasoning_content": "The tool said 21."})
-            out = json.dumps({"choices": [{"message": message, "finish_reason": "stop"}],
-                              "usage": {"completion_tokens": 5}}).encode()
-            self.send_response(200)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(out)))
-            self.end_headers()
-            self.wfile.write(out)
-
-        def log_message(self, *a):
-            pass
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    try:
-        data = [m for m in agent_messages()[:5] if m["role"] != "assistant"]
-        inp = write_jsonl(tmp_path / "in.jsonl", [{"messages": data, "tools": [WEATHER]}])
-        args = types.SimpleNamespace(server_model="m", max_new_tokens=32, temperature=0.0, top_p=1.0, seed=0,
-                                     chat_template_kwargs={}, retries=0, backoff=0.1, timeout=10, concurrency=2)
-        url = f"http://127.0.0.1:{server.server_address[1]}/v1"
+    def answer(body):
+        requests.append(body)
+        last = body["messages"][-1]
+        message = ({"role": "assistant", "content": None, "reasoning": "I need the weather.",
+                    "tool_calls": [{"id": "x", "type": "function",
+                                    "function": {"name": "get_weather", "arguments": "{\"city\": \"Paris\"}"}}]}
+                   if last["role"] == "user" else {"role": "assistant", "content": "21 degrees.",
+                                                   "reasoning_content": "The tool said 21."})
+        return 200, {"choices": [{"message": message, "finish_reason": "stop"}], "usage": {"completion_tokens": 5}}
+    data = [m for m in agent_messages()[:5] if m["role"] != "assistant"]
+    inp = write_jsonl(tmp_path / "in.jsonl", [{"messages": data, "tools": [WEATHER]}])
+    with chat_server(answer) as url:
         summary = regeneration.regenerate(inp, str(tmp_path / "out.jsonl"),
-                                          lambda progress: regeneration.ServerBackend(url, args, progress),
-                                          log=lambda m: None)
-    finally:
-        server.shutdown()
+                                          lambda progress: regeneration.ServerBackend(url, server_args(), progress),
+                                          {}, log=lambda m: None)
     assert summary["rows"] == 1 and summary["turns"] == 2
     row = json.loads((tmp_path / "out.jsonl").read_text())
     roles = [m["role"] for m in row["messages"]]

@@ -69,7 +69,7 @@ def test_the_gpu_demo_regenerates_regen_batch_size_rows_at_a_time(monkeypatch, t
         def __init__(self, target_name, devices, tokenizer, args, progress=None):
             seen.append((args.batch_size, args.max_new_tokens, args.max_context_tokens))
 
-    def regenerate(input_path, output, make_backend, log, desc):
+    def regenerate(input_path, output, make_backend, settings, log, desc):
         make_backend(None)
         os.makedirs(os.path.dirname(output), exist_ok=True)
         open(output, "w").close()
