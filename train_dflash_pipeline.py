@@ -1318,6 +1318,9 @@ def main(argv=None):
     except UsageError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # a signal while the data or the models load (the steps stop at a step, and save)
+        print("interrupted before the first step; nothing was saved", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

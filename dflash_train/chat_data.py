@@ -26,6 +26,7 @@ import time
 import numpy as np
 
 from dflash_train.demo_assets import builtin_data
+from dflash_train.helpers import signals_handled
 
 class UsageError(Exception):
     """A setting that cannot work: reported with what to change, before any model loads."""
@@ -572,15 +573,23 @@ def read_documents(path, tokenizer, max_length, vocab_size, chat_template_kwargs
         results = (rows_documents(c, *reading) for c in chunks)
     docs, stats = [], DocumentStats()
     progress = Progress(len(lines), f"data: tokenising {os.path.basename(path)}", log, unit="row")
+
+    def on_signal(signum):  # SIGINT or SIGTERM: stop here, the workers with it
+        raise KeyboardInterrupt
     try:
-        for chunk_docs, chunk_stats in results:
-            docs += chunk_docs
-            stats.add(chunk_stats)
-            progress(chunk_stats.counts["rows"], sum(len(t) for t, _ in chunk_docs))
+        with signals_handled(on_signal):
+            for chunk_docs, chunk_stats in results:
+                docs += chunk_docs
+                stats.add(chunk_stats)
+                progress(chunk_stats.counts["rows"], sum(len(t) for t, _ in chunk_docs))
     finally:
         progress.close()
         if pool is not None:
-            pool.shutdown(cancel_futures=True)
+            workers_left = list(getattr(pool, "_processes", {}).values())  # the executor keeps them there
+            pool.shutdown(wait=False, cancel_futures=True)
+            for process in workers_left:  # none outlives the read, whatever stopped it
+                process.kill()
+                process.join()
     stats.counts["documents"] = len(docs)
     stats.counts["loss_tokens"] = int(sum(sum(m) for _, m in docs))
     return docs, stats

@@ -278,9 +278,7 @@ def load_checkpoint(path):
 def find_checkpoint(spec, out_dir, log):
     """(directory, weights, state) to resume from, or None. 'auto': the newest checkpoint in
     out_dir that can be read, saying which were passed over and why."""
-    if spec != "auto":
-        if not os.path.exists(os.path.join(spec, "training_state.pt")):
-            raise UsageError(f"--resume {spec}: not a checkpoint directory (no training_state.pt)")
+    if spec != "auto":  # a checkpoint directory (check_flags saw its files)
         return (spec, *load_checkpoint(spec))
     steps = checkpoint_steps(out_dir)
     for step in reversed(steps):

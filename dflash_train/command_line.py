@@ -239,8 +239,15 @@ def check_flags(flags):
             raise UsageError(f"--{name.replace('_', '-')} {getattr(flags, name)} must be in [0, 1)")
     if flags.init_drafter and flags.resume:
         raise UsageError("--init-drafter starts a new run from a drafter, --resume continues a run: give one of them")
-    if flags.init_drafter and not os.path.exists(os.path.join(flags.init_drafter, "config.json")):
-        raise UsageError(f"--init-drafter {flags.init_drafter}: not a drafter directory (no config.json)")
+    for flag, path, needs in (("--init-drafter", flags.init_drafter, ("config.json", "model.safetensors")),
+                              ("--resume", None if flags.resume == "auto" else flags.resume,
+                               ("training_state.pt", "model.safetensors"))):
+        missing = [f for f in needs if path and not os.path.isfile(os.path.join(path, f))]
+        if missing:
+            what = "a drafter" if flag == "--init-drafter" else "a checkpoint"
+            raise UsageError(f"{flag} {path}: not {what} directory (no {' or '.join(missing)})")
+    if flags.eval_data and not os.path.isfile(flags.eval_data):
+        raise UsageError(f"--eval-data {flags.eval_data}: no such file (the held-out prompts, JSONL)")
     if flags.resume and flags.overwrite:
         raise UsageError("--resume continues the run in --output-dir, --overwrite replaces it: give one of them")
 

@@ -5,6 +5,9 @@ apply_chat_template."""
 import builtins
 import json
 import os
+import signal
+import sys
+import time
 
 import pytest
 
@@ -215,6 +218,37 @@ def test_a_tokenising_process_that_dies_stops_the_read_rather_than_hanging(tmp_p
     monkeypatch.setattr(chat_data, "_read_chunk", _killed)
     with pytest.raises(BrokenProcessPool):
         chat_data.read_documents(path, tiny_tokenizer(), 48, 128, {}, workers=2, chunk_rows=4, log=lambda m: None)
+
+
+SIGNALLED = None  # a directory: the pids of the workers _signal_the_reader ran in, and who signalled
+
+
+def _signal_the_reader(lines):
+    """In a tokenising worker: note the worker, have the first one SIGTERM the reading process,
+    and never finish the chunk."""
+    with open(os.path.join(SIGNALLED, "pids"), "a") as f:
+        f.write(f"{os.getpid()}\n")
+    try:
+        os.close(os.open(os.path.join(SIGNALLED, "signalled"), os.O_CREAT | os.O_EXCL))
+        os.kill(os.getppid(), signal.SIGTERM)
+    except FileExistsError:
+        pass
+    time.sleep(60)
+
+
+def test_a_signal_while_tokenising_stops_the_read_and_leaves_no_worker(tmp_path, monkeypatch):
+    """SIGTERM (or SIGINT) to the reading process while its workers tokenise: the read stops, and
+    every worker is gone with it, none left holding a tokenizer's memory."""
+    monkeypatch.setattr(sys.modules[__name__], "SIGNALLED", str(tmp_path))  # read by the forked workers
+    monkeypatch.setattr(chat_data, "_read_chunk", _signal_the_reader)
+    path = write_jsonl(tmp_path / "d.jsonl", chat_rows(40))
+    with pytest.raises(KeyboardInterrupt):
+        chat_data.read_documents(path, tiny_tokenizer(), 48, 128, {}, workers=2, chunk_rows=4, log=lambda m: None)
+    pids = [int(pid) for pid in (tmp_path / "pids").read_text().split()]
+    assert pids
+    for pid in pids:
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
 
 
 def test_cache_key_covers_tokenizer_contents_and_template_options(tmp_path):

@@ -181,6 +181,10 @@ def test_last_target_layer_refused(tmp_path, tiny_model_dir):
     (["--weight-decay=-5"], "--weight-decay -5.0 must be 0 or more"),
     (["--target-layer-ids", "a,b"], "--target-layer-ids a,b"),
     (["--resume", "auto", "--overwrite"], "give one of them"),
+    (["--resume", "/nonexistent/step_5"], "--resume /nonexistent/step_5: not a checkpoint directory (no "
+                                          "training_state.pt or model.safetensors)"),
+    (["--init-drafter", "/tmp"], "--init-drafter /tmp: not a drafter directory (no config.json or model.safetensors)"),
+    (["--eval-data", "/nonexistent/prompts.jsonl"], "--eval-data /nonexistent/prompts.jsonl: no such file"),
 ])
 def test_flags_out_of_range_are_refused_before_anything_loads(tmp_path, tiny_model_dir, capsys, flags, said):
     assert run_main(tmp_path, tiny_model_dir, "o", *flags) == 2
