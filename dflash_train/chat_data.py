@@ -452,7 +452,8 @@ def numbered_rows(path):
         return [(n, present(row)) for n, row in enumerate(pq.read_table(path).to_pylist(), 1)]
     with open_data(path) as f:
         head = f.read(4096).removeprefix(BOM).lstrip()
-    if head.startswith(b"["):  # a row is an object: a file that opens with [ is one JSON array of rows
+    name = path.removesuffix(".gz").removesuffix(".bz2").removesuffix(".xz")
+    if name.endswith(".json") and head.startswith(b"["):  # a .json file of rows: one JSON array
         try:
             with open_data(path) as f:
                 return list(enumerate(json.loads(f.read().decode("utf-8-sig")), 1))
