@@ -1,6 +1,7 @@
 """Tests of dflash_train/memory_plan.py: what each GPU holds, counted by hand for a 70B target; layouts and
 evaluations that cannot fit refused before anything loads."""
 
+
 import pytest
 import torch
 
@@ -10,6 +11,7 @@ from dflash_train import chat_data
 from dflash_train import command_line as cli
 from dflash_train import memory_plan as mp
 from dflash_train import target_stage as ts
+from conftest import write_jsonl
 
 
 def llama_70b_config(path):
@@ -69,8 +71,9 @@ def test_an_evaluation_whose_target_fits_no_device_is_refused_before_training(tm
     GPU holds it, nor this host in fp32, so the run is refused up front, naming the way out; on
     imaginary 400 GB GPUs, or without evaluation, it goes ahead."""
     llama_70b_config(tmp_path / "l70")
+    prompts = write_jsonl(tmp_path / "p.jsonl", [{"prompt": "a question"}])
     settings = cli.Settings.of_flags(["--target-model", str(tmp_path / "l70"), "--gpu-memory", "80", "--eval-data",
-                                     "p.jsonl", "--target-stages", "3"],
+                                     prompts, "--target-stages", "3"],
                                     target_config=cli.target_config(str(tmp_path / "l70")),
                                     target_devices=[torch.device("cuda", i) for i in range(6)],
                                     drafter_devices=[torch.device("cuda", 6), torch.device("cuda", 7)],
