@@ -422,7 +422,7 @@ def present(value):
     render them (a tool call's arguments with the other rows' keys as null)."""
     if isinstance(value, dict):
         return {k: present(v) for k, v in value.items() if v is not None}
-    if isinstance(value, list):
+    if isinstance(value, list) and value and isinstance(value[0], (dict, list)):  # not a row's token ids
         return [present(v) for v in value]
     return value
 
